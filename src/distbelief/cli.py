@@ -1,0 +1,108 @@
+"""``distbelief train | plot``: the command line over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from distbelief.config import ALGORITHMS, DATASETS, OPTIMIZERS, TrainConfig
+from distbelief.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line, exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"distbelief: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _slow(text: str) -> tuple[int, float]:
+    index, sep, factor = text.partition(":")
+    try:
+        return int(index), float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not INDEX:FACTOR, e.g. 0:4") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    parser = _Parser(prog="distbelief", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train a model (Downpour SGD by default)")
+    t.add_argument("--algorithm", default=d.algorithm, help=f"one of {', '.join(ALGORITHMS)}")
+    t.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)}")
+    t.add_argument("--samples", type=int, default=d.samples, help="synthetic: rows")
+    t.add_argument("--features", type=int, default=d.features, help="synthetic: columns")
+    t.add_argument("--classes", type=int, default=d.classes, help="synthetic: classes")
+    t.add_argument("--hidden", type=int, default=d.hidden, help="hidden units of the MLP")
+    t.add_argument("--replicas", type=int, default=d.replicas, help="model replicas")
+    t.add_argument("--shards", type=int, default=d.shards, help="parameter-server shards")
+    t.add_argument("--n-fetch", type=int, default=d.n_fetch, help="fetch every N steps")
+    t.add_argument("--n-push", type=int, default=d.n_push, help="push every N steps")
+    t.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
+    t.add_argument("--lr", type=float, default=d.lr, help="server-side learning rate")
+    t.add_argument("--momentum", type=float, default=d.momentum, help="for --optimizer momentum")
+    t.add_argument("--batch-size", type=int, default=d.batch_size, help="mini-batch rows")
+    t.add_argument("--steps", type=int, default=d.steps, help="mini-batches per replica")
+    t.add_argument("--warmstart-steps", type=int, default=d.warmstart_steps,
+                   help="steps replica 0 runs alone before the others start")
+    t.add_argument("--no-local-update", dest="local_update", action="store_false",
+                   help="do not apply gradients locally between fetches")
+    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--eval-every", dest="eval_every_s", type=float, default=d.eval_every_s,
+                   help="seconds between held-out evaluations")
+    t.add_argument("--address", default=None,
+                   help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, else embedded local)")
+    t.add_argument("--num-cpus", type=int, default=None, help="embedded Ray's logical CPUs")
+    t.add_argument("--run-dir", default=None, help="output folder (default runs/<time>)")
+    t.add_argument("--slow-replica", dest="slow_replicas", type=_slow, action="append",
+                   default=[], metavar="INDEX:FACTOR", help="make a replica slower (repeatable)")
+    t.add_argument("--no-progress", dest="progress", action="store_false")
+    p = sub.add_parser("plot", help="(re)draw a run folder's plot.png")
+    p.add_argument("run_dir")
+    return parser
+
+
+def train(args: argparse.Namespace) -> int:
+    from distbelief import cluster, data, models
+
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "progress")}
+    fields["slow_replicas"] = dict(fields["slow_replicas"])
+    fields["address"] = fields["address"] or cluster.default_address()
+    if fields["run_dir"] is None:
+        fields["run_dir"] = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    cfg = TrainConfig(**fields).validate()
+    ds = data.load(cfg.dataset, cfg.samples, cfg.features, cfg.classes, cfg.seed)
+    model = models.mlp(ds.features, cfg.hidden, ds.classes, cfg.seed)
+    from distbelief.downpour import DownpourSGD
+
+    trainer = DownpourSGD(model, config=cfg)
+    result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test, progress=args.progress)
+    print(f"run folder: {result.run_dir} (metrics.jsonl, params.safetensors, plot.png)",
+          file=sys.stderr)
+    print(f"final test_accuracy={result.test_accuracy:.4f} updates={result.updates} "
+          f"wall_s={result.wall_s:.1f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return train(args)
+        from distbelief.metrics import plot_run
+
+        print(plot_run(args.run_dir))
+        return 0
+    except UserError as err:
+        print(f"distbelief: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("distbelief: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The Ray connection: an embedded local instance by default, a real cluster with an address.
+
+The embedded instance listens on loopback only, with Ray's default token authentication
+(a token in ``~/.ray/auth_token``, made on first use), so a training job opens no port to
+the network. With
+``address`` (``--address`` / ``RAY_ADDRESS``) the same code joins an existing cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import ray
+import ray._private.ray_constants as ray_constants
+
+from distbelief.errors import UserError
+
+# Ray's own switch for "no multi-machine cluster": with it off, every Ray listener binds to
+# 127.0.0.1 instead of all interfaces (measured with `ss -ltn`; see DESIGN.md).
+_LOOPBACK_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+
+
+def default_address() -> str | None:
+    """The cluster to join when none is given: ``RAY_ADDRESS`` if set, else embedded."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+@contextmanager
+def session(address: str | None = None, num_cpus: int | None = None,
+            object_store_memory: int | None = None) -> Iterator[bool]:
+    """Connect for the duration of a ``with`` block; yields True if this call started Ray.
+
+    An already-initialised Ray session (a notebook, a test module) is reused and left
+    running. Otherwise Ray is started (embedded) or joined (``address``) and shut down at
+    the end of the block.
+    """
+    if ray.is_initialized():
+        yield False
+        return
+    connect(address, num_cpus=num_cpus, object_store_memory=object_store_memory)
+    try:
+        yield True
+    finally:
+        ray.shutdown()
+
+
+def connect(address: str | None = None, num_cpus: int | None = None,
+            object_store_memory: int | None = None) -> None:
+    """Start an embedded loopback-only Ray instance, or join the cluster at ``address``.
+
+    ``num_cpus`` (embedded only) is the number of logical CPUs Ray schedules actors on;
+    ``object_store_memory`` is in bytes. Raises :class:`UserError` for an unreachable or
+    unauthenticated cluster.
+    """
+    if address:
+        _join(address)
+        return
+    saved = os.environ.get(_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOOPBACK_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
+                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
+                 configure_logging=True)
+    finally:
+        if saved[0] is None:
+            os.environ.pop(_LOOPBACK_ENV, None)
+        else:
+            os.environ[_LOOPBACK_ENV] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
+
+def _join(address: str) -> None:
+    if not address.startswith("ray://") and address != "auto":
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise UserError(f"--address {address!r} is not HOST:PORT: pass the head node's "
+                            "address as printed by `ray start --head`, e.g. 127.0.0.1:6379")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except OSError as err:
+            raise UserError(f"cannot reach a Ray cluster at {address} ({err.strerror or err}): "
+                            "start one with `ray start --head` or fix --address") from None
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    except ray.exceptions.AuthenticationError:
+        raise UserError(f"the Ray cluster at {address} rejected our token: set RAY_AUTH_MODE="
+                        "token and the cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+                        ) from None
+    except (ConnectionError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot join the Ray cluster at {address} ({first}): check that "
+                        "`ray status` works there and that versions match") from None
+
+
+def node_id() -> str:
+    """The Ray node this process runs on (for placement records)."""
+    return ray.get_runtime_context().get_node_id()

@@ -1,0 +1,101 @@
+"""Training configuration: one dataclass, validated before any actor starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from distbelief.errors import UserError
+
+ALGORITHMS = ("downpour",)
+OPTIMIZERS = ("sgd", "momentum", "adagrad")
+DATASETS = ("digits", "synthetic")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config field: ``n_fetch`` -> ``--n-fetch``."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; field names match the CLI flags (``--n-fetch`` ...).
+
+    ``steps`` counts mini-batches per replica (warm-start steps included, on replica 0);
+    ``lr`` is the server-side learning rate; ``eval_every_s`` is the wall-clock period of
+    the driver's held-out evaluation, in seconds.
+    """
+
+    algorithm: str = "downpour"
+    dataset: str = "digits"
+    samples: int = 10000
+    features: int = 32
+    classes: int = 10
+    hidden: int = 64
+    replicas: int = 2
+    shards: int = 2
+    n_fetch: int = 1
+    n_push: int = 1
+    optimizer: str = "adagrad"
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 32
+    steps: int = 300
+    warmstart_steps: int = 0
+    local_update: bool = True
+    seed: int = 0
+    eval_every_s: float = 0.5
+    address: str | None = None
+    num_cpus: int | None = None
+    run_dir: str | None = None
+    slow_replicas: dict[int, float] = field(default_factory=dict)
+
+    def validate(self) -> TrainConfig:
+        """Raise :class:`UserError` naming the first bad field's flag and the fix."""
+        _choice("algorithm", self.algorithm, ALGORITHMS)
+        _choice("dataset", self.dataset, DATASETS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
+                     "samples", "features", "hidden"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("classes", self.classes, 2)
+        _at_least("warmstart_steps", self.warmstart_steps, 0)
+        if self.warmstart_steps > self.steps:
+            raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "
+                            f"{flag('steps')} ({self.steps}): warm-start steps are part of "
+                            "replica 0's steps, so pass a smaller value")
+        _positive("lr", self.lr)
+        _positive("eval_every_s", self.eval_every_s)
+        if not (0.0 <= self.momentum < 1.0):
+            raise UserError(f"{flag('momentum')} must be in [0, 1) (got {self.momentum})")
+        if self.num_cpus is not None:
+            _at_least("num_cpus", self.num_cpus, 1)
+        for index, factor in self.slow_replicas.items():
+            if not 0 <= index < self.replicas:
+                raise UserError(f"--slow-replica {index}:{factor} names replica {index}, but "
+                                f"replicas are 0..{self.replicas - 1}")
+            if not (math.isfinite(factor) and factor >= 1.0):
+                raise UserError(f"--slow-replica {index}:{factor}: the factor must be >= 1")
+        return self
+
+    def to_dict(self) -> dict:
+        """A JSON-ready copy (slow-replica keys become strings)."""
+        out = dataclasses.asdict(self)
+        out["slow_replicas"] = {str(k): v for k, v in self.slow_replicas.items()}
+        return out
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{flag(name)} {value!r} is unknown: choose one of {', '.join(allowed)}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UserError(f"{flag(name)} must be an integer >= {low} (got {value!r})")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise UserError(f"{flag(name)} must be a finite number > 0 (got {value!r})")

@@ -1,0 +1,9 @@
+"""The one exception type users see: a problem they can fix, said in one line."""
+
+
+class UserError(Exception):
+    """Bad input (config, data, checkpoint, cluster address) with a one-line fix.
+
+    The CLI prints ``distbelief: error: <message>`` and exits with code 2; the Python API
+    raises it before any actor is started.
+    """

@@ -1,0 +1,83 @@
+"""Run folder: config, metrics as JSONL (one event per line), and the loss/accuracy plot."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class RunLog:
+    """Appends JSON events (each with wall-clock ``t`` in seconds) to ``metrics.jsonl``.
+
+    With ``run_dir=None`` events are kept in memory only.
+    """
+
+    def __init__(self, run_dir: str | Path | None) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.start = time.time()
+        self.events: list[dict] = []
+        self._fh = None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def log(self, event: str, **fields) -> dict:
+        record = {"event": event, "t": fields.pop("t", time.time())} | fields
+        self.events.append(record)
+        if self._fh is not None:
+            self._fh.write(json.dumps(record) + "\n")
+        return record
+
+    def write_json(self, name: str, obj: dict) -> None:
+        if self.run_dir is not None:
+            (self.run_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_events(run_dir: str | Path) -> list[dict]:
+    """All events of a run folder's ``metrics.jsonl``."""
+    with open(Path(run_dir) / "metrics.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Plot training loss and test accuracy against wall time; returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = read_events(run_dir)
+    start = min(e["t"] for e in events)
+    steps = [e for e in events if e["event"] == "step"]
+    evals = [e for e in events if e["event"] == "eval"]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    if steps:
+        t = np.array([e["t"] - start for e in steps])
+        loss = np.array([e["loss"] for e in steps])
+        order = np.argsort(t)
+        window = max(1, len(loss) // 50)
+        smooth = np.convolve(loss[order], np.ones(window) / window, mode="valid")
+        ax_loss.plot(t[order], loss[order], ".", ms=2, alpha=0.25, label="replica steps")
+        ax_loss.plot(t[order][window - 1:], smooth, label=f"mean of {window}")
+        ax_loss.set_yscale("log")
+        ax_loss.legend()
+    ax_loss.set(xlabel="wall time (s)", ylabel="training loss", title="Loss")
+    if evals:
+        ax_acc.plot([e["t"] - start for e in evals], [e["test_accuracy"] for e in evals], "o-")
+    ax_acc.set(xlabel="wall time (s)", ylabel="test accuracy", title="Held-out accuracy",
+               ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out) if out is not None else Path(run_dir) / "plot.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

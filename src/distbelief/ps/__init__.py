@@ -1,0 +1,1 @@
+"""The sharded parameter server: plan (pure), update rules (pure), shard actor, client."""

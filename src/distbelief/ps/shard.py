@@ -1,0 +1,103 @@
+"""A parameter-server shard: owns one contiguous slice, applies pushes, serves fetches.
+
+:class:`ShardCore` is the whole logic, plain Python; :class:`ParameterShard` is the Ray
+actor around it. Shards never talk to each other and take no global lock: each applies
+its own update rule to its own slice, in the order pushes reach it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import ray
+
+from distbelief.ps.optim import SGD, make_rule
+
+ACCEPTED_DTYPES = (np.float32,)
+
+
+class ShardCore:
+    """State of one shard: parameters (float32, shape ``(n,)``), rule state, version, stats.
+
+    ``version`` counts applied pushes. Staleness of a push is the shard's version when it
+    is applied minus the version the pushing replica last fetched.
+    """
+
+    def __init__(self, shard_id: int, init: np.ndarray, rule: SGD) -> None:
+        self.shard_id = shard_id
+        self.params = np.array(init, dtype=np.float32, copy=True).reshape(-1)
+        self.rule = rule
+        self.state = rule.init_state(self.params.size)
+        self.version = 0
+        self.fetches = 0
+        self.rejected: Counter[str] = Counter()
+        self.staleness: Counter[int] = Counter()
+        self.pushes_by_replica: Counter[int] = Counter()
+
+    def fetch(self) -> tuple[int, np.ndarray]:
+        """Current version and a read-only view of the slice (callers must copy to keep it)."""
+        self.fetches += 1
+        view = self.params.view()
+        view.flags.writeable = False
+        return self.version, view
+
+    def check(self, grad: object) -> str | None:
+        """Why ``grad`` may not be applied, or None if it may."""
+        if not isinstance(grad, np.ndarray):
+            return "type"
+        if grad.dtype not in ACCEPTED_DTYPES:
+            return "dtype"
+        if grad.shape != self.params.shape:
+            return "shape"
+        if not np.isfinite(grad).all():
+            return "nonfinite"
+        return None
+
+    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
+        """Apply ``grad`` unless it is malformed; returns whether it was applied.
+
+        A rejected push changes nothing but the rejection counter for its reason
+        (``type``, ``dtype``, ``shape``, ``nonfinite``).
+        """
+        reason = self.check(grad)
+        if reason is not None:
+            self.rejected[reason] += 1
+            return False
+        self.staleness[self.version - int(fetched_version)] += 1
+        self.rule.apply(self.params, grad, self.state)
+        self.version += 1
+        self.pushes_by_replica[int(replica)] += 1
+        return True
+
+    def stats(self) -> dict:
+        """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
+        return {
+            "shard": self.shard_id,
+            "size": int(self.params.size),
+            "version": self.version,
+            "updates": self.version,
+            "fetches": self.fetches,
+            "rejected": dict(self.rejected),
+            "rejected_total": sum(self.rejected.values()),
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "pushes_by_replica": {str(k): v for k, v in sorted(self.pushes_by_replica.items())},
+        }
+
+
+@ray.remote
+class ParameterShard:
+    """Ray actor holding one :class:`ShardCore`."""
+
+    def __init__(self, shard_id: int, init: np.ndarray, optimizer: str, lr: float,
+                 momentum: float = 0.9) -> None:
+        self.core = ShardCore(shard_id, init, make_rule(optimizer, lr, momentum))
+
+    def fetch(self) -> tuple[int, np.ndarray]:
+        return self.core.fetch()
+
+    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
+        return self.core.push(grad, fetched_version, replica)
+
+    def stats(self) -> dict:
+        return self.core.stats() | {"node": ray.get_runtime_context().get_node_id()}
