@@ -1,0 +1,142 @@
+"""Downpour SGD end to end on a real (embedded) Ray session."""
+
+import copy
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from distbelief import DownpourSGD, data, models
+from distbelief.data import ReplicaSampler, replica_indices
+from distbelief.ps.shard import ParameterShard
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return data.digits()
+
+
+def small_model(ds, seed=0, hidden=16):
+    return models.mlp(ds.features, hidden, ds.classes, seed)
+
+
+def steps_of(result, replica):
+    return [e for e in result.events if e["event"] == "step" and e["replica"] == replica]
+
+
+def test_one_replica_sgd_equals_torch_sgd_step_for_step(digits):
+    lr, bs, steps, seed = 0.1, 32, 40, 3
+    model = small_model(digits, seed)
+    reference = copy.deepcopy(model)
+    result = DownpourSGD(model, replicas=1, shards=1, n_fetch=1, n_push=1, optimizer="sgd",
+                         lr=lr, batch_size=bs, steps=steps, seed=seed).fit(
+        digits.x_train, digits.y_train)
+    opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    sampler = ReplicaSampler(replica_indices(len(digits.x_train), 0, 1), bs, seed, 0)
+    x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
+    ref_losses = []
+    for k in range(steps):
+        rows = torch.from_numpy(sampler.batch(k))
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(reference(x[rows]), y[rows])
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    losses = [e["loss"] for e in steps_of(result, 0)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+    for name, p in reference.named_parameters():
+        np.testing.assert_allclose(result.params[name], p.detach().numpy(), atol=1e-6)
+        np.testing.assert_allclose(dict(model.named_parameters())[name].detach().numpy(),
+                                   p.detach().numpy(), atol=1e-6)
+
+
+def test_n_fetch_and_n_push_semantics(digits):
+    result = DownpourSGD(small_model(digits), replicas=2, shards=2, n_fetch=3, n_push=4,
+                         steps=10, optimizer="sgd", lr=0.05).fit(digits.x_train, digits.y_train)
+    for r in (0, 1):
+        events = steps_of(result, r)
+        assert [e["step"] for e in events if e["fetched"]] == [0, 3, 6, 9]
+        assert [e["step"] for e in events if e["pushed"]] == [3, 7]
+        # the 2 steps accrued after the last full push are flushed at the end
+        assert result.replica_counters[r] == {"fetches": 4, "pushes": 3, "rejected": 0}
+    assert [s["updates"] for s in result.shard_stats] == [6, 6]
+    assert result.updates == 6
+
+
+def test_warmstart_runs_replica_zero_alone_first(digits):
+    result = DownpourSGD(small_model(digits), replicas=3, shards=2, steps=20,
+                         warmstart_steps=12).fit(digits.x_train, digits.y_train)
+    ordered = sorted((e for e in result.events if e["event"] == "step"), key=lambda e: e["t"])
+    assert [(e["replica"], e["step"]) for e in ordered[:12]] == [(0, k) for k in range(12)]
+    warm_end = steps_of(result, 0)[11]["t"]
+    for r in (1, 2):
+        first = steps_of(result, r)[0]
+        assert first["t"] > warm_end
+        assert min(first["versions"]) >= 12  # it starts from the warmed-up parameters
+    assert result.updates == 60
+
+
+def test_slow_replica_does_not_slow_the_others(digits):
+    steps = 40
+    result = DownpourSGD(small_model(digits), replicas=3, shards=2, steps=steps,
+                         slow_replicas={0: 25.0}).fit(digits.x_train, digits.y_train)
+    fast_done = max(steps_of(result, r)[-1]["t"] for r in (1, 2))
+    slow_steps_by_then = sum(1 for e in steps_of(result, 0) if e["t"] <= fast_done)
+    assert slow_steps_by_then < steps // 2
+    assert all(len(steps_of(result, r)) == steps for r in range(3))
+
+
+def test_four_replicas_adagrad_interleave_with_staleness(digits):
+    result = DownpourSGD(models.mlp(digits.features, 64, 10, 0), replicas=4, shards=2,
+                         optimizer="adagrad", lr=0.05, steps=300).fit(
+        digits.x_train, digits.y_train, digits.x_test, digits.y_test)
+    assert result.test_accuracy >= 0.95
+    ordered = sorted((e for e in result.events if e["event"] == "step"), key=lambda e: e["t"])
+    switches = sum(a["replica"] != b["replica"] for a, b in zip(ordered, ordered[1:]))
+    assert switches > len(ordered) // 10  # replicas interleave, not one after another
+    assert any(int(k) > 0 for s in result.shard_stats for k in s["staleness"])
+    assert all(s["pushes_by_replica"] == {str(r): 300 for r in range(4)}
+               for s in result.shard_stats)
+
+
+def test_shard_actor_rejects_bad_pushes_and_keeps_params():
+    shard = ParameterShard.remote(0, np.zeros(3, np.float32), "adagrad", 0.1)
+    bad = [np.array([np.nan, 0, 0], np.float32), np.ones(4, np.float32), np.ones(3, np.float64)]
+    assert ray.get([shard.push.remote(g, 0) for g in bad]) == [False, False, False]
+    assert ray.get(shard.push.remote(np.ones(3, np.float32), 0))
+    stats = ray.get(shard.stats.remote())
+    assert stats["rejected"] == {"nonfinite": 1, "shape": 1, "dtype": 1}
+    assert stats["updates"] == 1
+    version, params = ray.get(shard.fetch.remote())
+    assert version == 1 and np.allclose(params, -0.1)
+    ray.kill(shard)
+
+
+def test_killed_replica_is_restarted_and_training_completes(digits):
+    trainer = DownpourSGD(small_model(digits), replicas=3, shards=2, steps=60,
+                          slow_replicas={1: 8.0})
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(r=trainer.fit(
+        digits.x_train, digits.y_train, digits.x_test, digits.y_test)))
+    thread.start()
+    name = trainer.actor_name("replica", 1)
+    victim = None
+    while victim is None and thread.is_alive():
+        try:
+            victim = ray.get_actor(name)
+        except ValueError:
+            time.sleep(0.05)
+    ray.get(victim.where.remote())
+    time.sleep(0.5)
+    ray.kill(victim)
+    thread.join(timeout=120)
+    result = outcome["r"]
+    failures = [e for e in result.events if e["event"] == "replica_failed"]
+    assert [f["replica"] for f in failures] == [1]
+    assert steps_of(result, 1)[-1]["step"] == 59  # the restarted replica finished its steps
+    assert all(steps_of(result, r)[-1]["step"] == 59 for r in (0, 2))
