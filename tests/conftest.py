@@ -10,3 +10,22 @@ def ray_local():
     cluster.connect(num_cpus=4, object_store_memory=256 * 2**20)
     yield
     ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if it left Ray server processes behind."""
+    import time
+
+    import psutil
+
+    def leftovers():
+        return [p.pid for p in psutil.process_iter(["cmdline"])
+                if any(("raylet" in part or "gcs_server" in part) and "ray/core" in part
+                       for part in (p.info["cmdline"] or []))]
+
+    deadline = time.time() + 15
+    while leftovers() and time.time() < deadline:
+        time.sleep(0.5)
+    if leftovers():
+        print(f"\nRay processes left behind by the tests: {leftovers()}")
+        session.exitstatus = 1

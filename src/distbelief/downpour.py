@@ -159,19 +159,19 @@ class DownpourSGD:
         cfg = self.cfg
         x_train, y_train = _as_arrays(x_train, y_train, "training")
         test = _as_arrays(x_test, y_test, "test") if x_test is not None else None
-        log = RunLog(cfg.run_dir)
-        log.write_json("config.json", cfg.to_dict())
         self._show_progress = progress
         num_cpus = cfg.num_cpus or max(2, cfg.replicas + cfg.shards)
-        try:
-            with cluster.session(cfg.address, num_cpus=num_cpus,
-                                 object_store_memory=_store_bytes(x_train, self.plan)):
+        with cluster.session(cfg.address, num_cpus=num_cpus,
+                             object_store_memory=_store_bytes(x_train, self.plan)):
+            log = RunLog(cfg.run_dir)
+            log.write_json("config.json", cfg.to_dict())
+            try:
                 return self._train(log, x_train, y_train, test)
-        finally:
-            log.close()
-            if self._progress is not None:
-                self._progress.close()
-                self._progress = None
+            finally:
+                log.close()
+                if self._progress is not None:
+                    self._progress.close()
+                    self._progress = None
 
     def _train(self, log: RunLog, x, y, test) -> TrainResult:
         cfg, plan = self.cfg, self.plan
