@@ -34,6 +34,8 @@ class ShardCore:
         self.rejected: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
         self.pushes_by_replica: Counter[int] = Counter()
+        self.vectors: dict[str, np.ndarray] = {}
+        self.staged: dict[str, np.ndarray] = {}
 
     def fetch(self) -> tuple[int, np.ndarray]:
         """Current version and a read-only view of the slice (callers must copy to keep it)."""
@@ -70,6 +72,66 @@ class ShardCore:
         self.pushes_by_replica[int(replica)] += 1
         return True
 
+    # Sandblaster: named vectors over this shard's slice ("x" is the parameters themselves).
+    # The coordinator sends these small commands and gets back only scalars.
+
+    def vector(self, name: str) -> np.ndarray:
+        if name == "x":
+            return self.params
+        if name not in self.vectors:
+            self.vectors[name] = np.zeros_like(self.params)
+        return self.vectors[name]
+
+    def dots(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """Partial dot products of this slice, accumulated in float64."""
+        return [float(np.dot(self.vector(a).astype(np.float64), self.vector(b)))
+                for a, b in pairs]
+
+    def axpy(self, alpha: float, x: str, y: str) -> None:
+        self.vector(y)[:] += np.float32(alpha) * self.vector(x)
+
+    def scale(self, alpha: float, x: str) -> None:
+        self.vector(x)[:] *= np.float32(alpha)
+
+    def copy(self, src: str, dst: str) -> None:
+        np.copyto(self.vector(dst), self.vector(src))
+
+    def lincomb(self, dst: str, terms: list[tuple[float, str]]) -> None:
+        out = np.zeros(self.params.size, dtype=np.float64)
+        for c, name in terms:
+            out += c * self.vector(name)
+        np.copyto(self.vector(dst), out, casting="same_kind")
+
+    def drop(self, names: list[str]) -> None:
+        for name in names:
+            self.vectors.pop(name, None)
+
+    def fetch_vector(self, name: str) -> np.ndarray:
+        view = self.vector(name).view()
+        view.flags.writeable = False
+        return view
+
+    def stage(self, tag: str, grad: np.ndarray) -> bool:
+        """Hold a replica's gradient under ``tag`` until the coordinator commits or aborts it."""
+        reason = self.check(grad)
+        if reason is not None:
+            self.rejected[reason] += 1
+            return False
+        self.staged[tag] = np.array(grad, dtype=np.float32, copy=True)
+        return True
+
+    def commit(self, tag: str, into: str) -> bool:
+        """Add the gradient staged under ``tag`` to vector ``into``; False if none is staged."""
+        grad = self.staged.pop(tag, None)
+        if grad is None:
+            return False
+        self.vector(into)[:] += grad
+        return True
+
+    def abort(self, tags: list[str]) -> None:
+        for tag in tags:
+            self.staged.pop(tag, None)
+
     def stats(self) -> dict:
         """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
         return {
@@ -86,18 +148,12 @@ class ShardCore:
 
 
 @ray.remote
-class ParameterShard:
-    """Ray actor holding one :class:`ShardCore`."""
+class ParameterShard(ShardCore):
+    """Ray actor holding one shard: every :class:`ShardCore` method is a remote method."""
 
     def __init__(self, shard_id: int, init: np.ndarray, optimizer: str, lr: float,
                  momentum: float = 0.9) -> None:
-        self.core = ShardCore(shard_id, init, make_rule(optimizer, lr, momentum))
-
-    def fetch(self) -> tuple[int, np.ndarray]:
-        return self.core.fetch()
-
-    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
-        return self.core.push(grad, fetched_version, replica)
+        super().__init__(shard_id, init, make_rule(optimizer, lr, momentum))
 
     def stats(self) -> dict:
-        return self.core.stats() | {"node": ray.get_runtime_context().get_node_id()}
+        return super().stats() | {"node": ray.get_runtime_context().get_node_id()}
