@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from distbelief.errors import UserError
 
-ALGORITHMS = ("downpour",)
+ALGORITHMS = ("downpour", "sandblaster")
 OPTIMIZERS = ("sgd", "momentum", "adagrad")
 DATASETS = ("digits", "synthetic")
 

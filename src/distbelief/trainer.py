@@ -1,0 +1,189 @@
+"""What every trainer shares: config, shard start-up, the run folder, evaluation, results.
+
+:class:`Trainer` validates its config and builds the shard plan in ``__init__`` (before any
+actor starts), then :meth:`Trainer.fit` connects to Ray, opens the run folder and calls the
+subclass's ``_train``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+from torch import nn
+
+from distbelief import cluster
+from distbelief.checkpoint import save_arrays
+from distbelief.config import TrainConfig
+from distbelief.errors import UserError
+from distbelief.flat import FlatModel, parameter_shapes
+from distbelief.metrics import RunLog, plot_run
+from distbelief.ps.client import PSClient
+from distbelief.ps.plan import ShardPlan
+from distbelief.ps.shard import ParameterShard
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: final parameters by name and the run's figures."""
+
+    params: dict[str, np.ndarray]
+    test_accuracy: float | None
+    test_loss: float | None
+    updates: int
+    wall_s: float
+    shard_stats: list[dict]
+    replica_counters: dict[int, dict]
+    events: list[dict] = field(repr=False)
+    run_dir: str | None = None
+
+
+class Trainer:
+    """Base of the trainers: ``model`` gives the architecture and initial float32 parameters;
+    ``loss_fn`` maps ``(model(x), y)`` to a scalar mean loss (cross-entropy by default).
+    Keyword arguments are :class:`TrainConfig` fields and override ``config``. After
+    :meth:`fit` the model holds the final parameters.
+    """
+
+    algorithm = ""
+
+    def __init__(self, model: nn.Module, loss_fn: nn.Module | None = None,
+                 config: TrainConfig | None = None, **overrides) -> None:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(TrainConfig)}
+        if unknown:
+            raise UserError(f"unknown option(s) {', '.join(sorted(unknown))}: see TrainConfig")
+        overrides.setdefault("algorithm", self.algorithm)
+        self.cfg = dataclasses.replace(config or TrainConfig(), **overrides).validate()
+        if self.cfg.algorithm != self.algorithm:
+            raise UserError(f"{type(self).__name__} runs --algorithm {self.algorithm}, "
+                            f"not {self.cfg.algorithm}")
+        self.model = model
+        self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+        self.plan = ShardPlan.build(parameter_shapes(model), self.cfg.shards)
+        self.run_id = uuid.uuid4().hex[:8]
+        self._progress = None
+        self._show_progress = False
+        self._accuracy: float | None = None
+
+    def actor_name(self, role: str, index: int) -> str:
+        """The Ray actor name of a shard or replica of this run (for tools and fault tests)."""
+        return f"distbelief-{self.run_id}-{role}-{index}"
+
+    def fit(self, x_train, y_train, x_test=None, y_test=None, progress: bool = False
+            ) -> TrainResult:
+        """Train on ``(x_train, y_train)``; evaluate on the test set if given.
+
+        Arrays may be NumPy or torch; ``x`` is float32 ``(n, ...)``, ``y`` has ``n`` rows.
+        """
+        cfg = self.cfg
+        x_train, y_train = as_arrays(x_train, y_train, "training")
+        test = as_arrays(x_test, y_test, "test") if x_test is not None else None
+        self._show_progress = progress
+        num_cpus = cfg.num_cpus or max(2, cfg.replicas + cfg.shards)
+        with cluster.session(cfg.address, num_cpus=num_cpus,
+                             object_store_memory=store_bytes(x_train, self.plan)):
+            log = RunLog(cfg.run_dir)
+            log.write_json("config.json", cfg.to_dict())
+            try:
+                return self._train(log, x_train, y_train, test)
+            finally:
+                log.close()
+                if self._progress is not None:
+                    self._progress.close()
+                    self._progress = None
+
+    def _train(self, log: RunLog, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
+        raise NotImplementedError
+
+    def _start_shards(self, initial: list[np.ndarray]) -> list[ray.actor.ActorHandle]:
+        cfg = self.cfg
+        return [ParameterShard.options(name=self.actor_name("shard", i),
+                                       scheduling_strategy="SPREAD")
+                .remote(i, initial[i], cfg.optimizer, cfg.lr, cfg.momentum)
+                for i in range(self.plan.shards)]
+
+    def _progress_bar(self, total: int):
+        if not self._show_progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def _evaluate(self, log: RunLog, client: PSClient, evaluator: Evaluator,
+                  began: float) -> dict:
+        versions = client.fetch_into(evaluator.flat.flat_np)
+        scores = evaluator.score()
+        log.log("eval", updates=sum(versions), versions=versions, elapsed_s=time.time() - began,
+                **scores)
+        self._accuracy = scores.get("test_accuracy", self._accuracy)
+        return scores
+
+    def _tick(self, steps: int, loss: float) -> None:
+        if self._progress is None:
+            return
+        self._progress.update(steps)
+        rate = self._progress.format_dict.get("rate") or 0.0
+        acc = "" if self._accuracy is None else f" acc={self._accuracy:.3f}"
+        self._progress.set_postfix_str(f"loss={loss:.3f}{acc} updates/s={rate:.0f}")
+
+    def _finish(self, log: RunLog, evaluator: Evaluator, final: dict, updates: int,
+                began: float, shard_stats: list[dict], counters: dict) -> TrainResult:
+        """Log the final event, write params.safetensors and plot.png, build the result."""
+        wall = time.time() - began
+        log.log("final", updates=updates, wall_s=wall, shard_stats=shard_stats, **final)
+        params = evaluator.flat.named_arrays(self.plan)
+        if log.run_dir is not None:
+            save_arrays(log.run_dir / "params.safetensors", params,
+                        {"updates": str(updates), "algorithm": self.algorithm})
+            log.close()
+            plot_run(log.run_dir)
+        return TrainResult(params, final.get("test_accuracy"), final.get("test_loss"),
+                           updates, wall, shard_stats, counters, log.events,
+                           str(log.run_dir) if log.run_dir else None)
+
+
+class Evaluator:
+    """The driver's copy of the model, loaded from the shards to score the test set."""
+
+    def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test) -> None:
+        self.flat = FlatModel(model, plan)
+        self.loss_fn = loss_fn
+        self.test = None if test is None else tuple(torch.from_numpy(a) for a in test)
+
+    @torch.no_grad()
+    def score(self) -> dict:
+        if self.test is None:
+            return {}
+        x, y = self.test
+        out = self.flat.model(x)
+        scores = {"test_loss": float(self.loss_fn(out, y))}
+        if out.ndim == 2 and not y.is_floating_point():
+            scores["test_accuracy"] = float((out.argmax(1) == y).float().mean())
+        return scores
+
+
+def as_arrays(x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
+    x = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    y = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+    if x.ndim < 1 or len(x) == 0:
+        raise UserError(f"the {what} inputs are empty: pass at least one row")
+    if len(x) != len(y):
+        raise UserError(f"the {what} set has {len(x)} inputs but {len(y)} targets: "
+                        "pass one target per input row")
+    if x.dtype != np.float32:
+        if not np.issubdtype(x.dtype, np.number):
+            raise UserError(f"the {what} inputs have dtype {x.dtype}: pass numbers")
+        x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise UserError(f"the {what} inputs contain NaN or inf: clean the data first")
+    return np.ascontiguousarray(x), np.ascontiguousarray(y)
+
+
+def store_bytes(x: np.ndarray, plan: ShardPlan) -> int:
+    """Object-store size for an embedded run: room for the data and many parameter copies."""
+    return int(max(128 * 2**20, 4 * x.nbytes + 64 * plan.numel * 4))
