@@ -59,6 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="output folder (default runs/<time>)")
     t.add_argument("--slow-replica", dest="slow_replicas", type=_slow, action="append",
                    default=[], metavar="INDEX:FACTOR", help="make a replica slower (repeatable)")
+    t.add_argument("--iterations", type=int, default=d.iterations,
+                   help="sandblaster: L-BFGS iterations at most")
+    t.add_argument("--portions", type=int, default=d.portions,
+                   help="sandblaster: portions per batch (default 10 per replica)")
+    t.add_argument("--portions-per-push", type=int, default=d.portions_per_push,
+                   help="sandblaster: accepted portions a replica sums before staging them")
+    t.add_argument("--history", type=int, default=d.history, help="sandblaster: L-BFGS m")
+    t.add_argument("--l2", type=float, default=d.l2,
+                   help="sandblaster: weight of the l2/2 |x|^2 term")
+    t.add_argument("--no-backups", dest="backups", action="store_false",
+                   help="sandblaster: no backup copies of unfinished portions")
     t.add_argument("--no-progress", dest="progress", action="store_false")
     p = sub.add_parser("plot", help="(re)draw a run folder's plot.png")
     p.add_argument("run_dir")
@@ -76,9 +87,11 @@ def train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**fields).validate()
     ds = data.load(cfg.dataset, cfg.samples, cfg.features, cfg.classes, cfg.seed)
     model = models.mlp(ds.features, cfg.hidden, ds.classes, cfg.seed)
-    from distbelief.downpour import DownpourSGD
-
-    trainer = DownpourSGD(model, config=cfg)
+    if cfg.algorithm == "sandblaster":
+        from distbelief.sandblaster.trainer import SandblasterLBFGS as Algorithm
+    else:
+        from distbelief.downpour import DownpourSGD as Algorithm
+    trainer = Algorithm(model, config=cfg)
     result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test, progress=args.progress)
     print(f"run folder: {result.run_dir} (metrics.jsonl, params.safetensors, plot.png)",
           file=sys.stderr)

@@ -24,7 +24,10 @@ class TrainConfig:
 
     ``steps`` counts mini-batches per replica (warm-start steps included, on replica 0);
     ``lr`` is the server-side learning rate; ``eval_every_s`` is the wall-clock period of
-    the driver's held-out evaluation, in seconds.
+    the driver's held-out evaluation, in seconds; ``hidden=0`` makes the CLI's model a
+    softmax regression. Sandblaster uses ``iterations`` (L-BFGS steps), ``portions`` per
+    batch, ``portions_per_push``, ``history`` (m pairs), ``l2`` (the objective's
+    ``l2 / 2 * |x|^2`` term) and ``backups``.
     """
 
     algorithm: str = "downpour"
@@ -50,6 +53,13 @@ class TrainConfig:
     num_cpus: int | None = None
     run_dir: str | None = None
     slow_replicas: dict[int, float] = field(default_factory=dict)
+    # Sandblaster L-BFGS
+    iterations: int = 40
+    portions: int = 0  # 0: PORTIONS_PER_REPLICA per replica
+    portions_per_push: int = 4
+    history: int = 10
+    l2: float = 1e-4
+    backups: bool = True
 
     def validate(self) -> TrainConfig:
         """Raise :class:`UserError` naming the first bad field's flag and the fix."""
@@ -57,9 +67,15 @@ class TrainConfig:
         _choice("dataset", self.dataset, DATASETS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
-                     "samples", "features", "hidden"):
+                     "samples", "features"):
             _at_least(name, getattr(self, name), 1)
+        _at_least("hidden", self.hidden, 0)
         _at_least("classes", self.classes, 2)
+        for name in ("iterations", "portions_per_push", "history"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("portions", self.portions, 0)
+        if not (isinstance(self.l2, (int, float)) and math.isfinite(self.l2) and self.l2 >= 0):
+            raise UserError(f"{flag('l2')} must be a finite number >= 0 (got {self.l2!r})")
         _at_least("warmstart_steps", self.warmstart_steps, 0)
         if self.warmstart_steps > self.steps:
             raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "

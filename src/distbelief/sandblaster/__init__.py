@@ -1,0 +1,1 @@
+"""Sandblaster L-BFGS: a coordinator over sharded vectors (pure core) and its portion scheduler."""

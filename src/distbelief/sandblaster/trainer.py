@@ -1,0 +1,104 @@
+"""SandblasterLBFGS: batch L-BFGS whose vectors live on the shards, portions on replicas."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+import ray
+
+from distbelief.metrics import RunLog
+from distbelief.ps.client import PSClient
+from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
+from distbelief.sandblaster.lbfgs import LBFGS, LineSearchError
+from distbelief.sandblaster.replica import SandblasterReplica
+from distbelief.sandblaster.schedule import PORTIONS_PER_REPLICA
+from distbelief.trainer import Evaluator, Trainer, TrainResult
+
+
+class SandblasterLBFGS(Trainer):
+    """Minimise ``mean loss + l2 / 2 * |x|^2`` over the whole training set with L-BFGS.
+
+    The driver is the coordinator: it runs :class:`~distbelief.sandblaster.lbfgs.LBFGS`
+    through :class:`ShardVectorSpace` (only scalars come back) and evaluates each point by
+    handing ``portions`` portions of the training set to ``replicas`` replicas, with backup
+    copies near the end of each batch. ``iterations`` L-BFGS steps at most.
+    """
+
+    algorithm = "sandblaster"
+
+    def _train(self, log: RunLog, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
+        cfg, plan = self.cfg, self.plan
+        began = time.time()
+        blueprint = copy.deepcopy(self.model)
+        evaluator = Evaluator(self.model, self.loss_fn, plan, test)
+        shards = self._start_shards(plan.split_flat(evaluator.flat.flat_np))
+        x_ref, y_ref = ray.put(x), ray.put(y)
+
+        def start(i: int):
+            return SandblasterReplica.options(name=self.actor_name("replica", i),
+                                              scheduling_strategy="SPREAD").remote(
+                i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref,
+                float(cfg.slow_replicas.get(i, 1.0)))
+
+        space = ShardVectorSpace(shards)
+        portions = cfg.portions or PORTIONS_PER_REPLICA * cfg.replicas
+        runner = PortionRunner(space, start, cfg.replicas, len(x), min(portions, len(x)),
+                               cfg.portions_per_push, backups=cfg.backups)
+        try:
+            return self._coordinate(log, began, shards, space, runner, evaluator, len(x))
+        finally:
+            for actor in [*runner.replicas.values(), *shards]:
+                ray.kill(actor)
+
+    def _coordinate(self, log: RunLog, began: float, shards: list, space: ShardVectorSpace,
+                    runner: PortionRunner, evaluator: Evaluator, n_rows: int) -> TrainResult:
+        cfg = self.cfg
+        log.log("placement", shards=[s["node"] for s in ray.get([s.stats.remote()
+                                                                  for s in shards])],
+                replicas=ray.get([r.where.remote() for r in runner.replicas.values()]))
+
+        def evaluate(vector: str, grad: str) -> float:
+            loss = runner.run(vector, grad) / n_rows
+            space.scale(1.0 / n_rows, grad)
+            if cfg.l2:
+                space.axpy(cfg.l2, vector, grad)
+                [sq] = space.dots([(vector, vector)])
+                loss += 0.5 * cfg.l2 * sq
+            b = runner.history[-1]
+            log.log("batch", batch=b.batch, vector=vector, loss=loss, wall_s=b.wall_s,
+                    portions_by_replica={str(k): v for k, v in b.portions_by_replica.items()},
+                    backups=b.backups, duplicates=b.duplicates, rounds=b.rounds,
+                    recomputed=b.recomputed, failures=b.failures)
+            return loss
+
+        client = PSClient(shards, self.plan)
+        lbfgs = LBFGS(space, evaluate, history=cfg.history)
+        self._progress = self._progress_bar(cfg.iterations)
+        self._evaluate(log, client, evaluator, began)
+        message = f"reached {cfg.iterations} iterations"
+        for _ in range(cfg.iterations):
+            try:
+                info = lbfgs.step()
+            except LineSearchError as err:
+                message = f"line search failed: {err}"
+                break
+            log.log("step", replica=-1, step=info.iteration, loss=info.loss,
+                    step_size=info.step_size, evaluations=info.evaluations,
+                    grad_norm=info.grad_norm)
+            self._evaluate(log, client, evaluator, began)
+            self._tick(1, info.loss)
+            if info.grad_norm <= 1e-6:
+                message = "gradient norm below 1e-6"
+                break
+        space.sync()
+        final = self._evaluate(log, client, evaluator, began)
+        log.log("lbfgs_done", message=message, iterations=lbfgs.iteration,
+                evaluations=lbfgs.evaluations, scalars_received=space.scalars_received,
+                commands=space.calls,
+                received_types=sorted(t.__name__ for t in space.received_types))
+        stats = ray.get([s.stats.remote() for s in shards])
+        counters = {r: {"portions": sum(b.portions_by_replica.get(r, 0)
+                                        for b in runner.history)} for r in runner.replicas}
+        return self._finish(log, evaluator, final, lbfgs.iteration, began, stats, counters)
