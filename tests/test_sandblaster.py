@@ -75,14 +75,15 @@ def test_backup_copies_count_every_portion_exactly_once(digits):
     want_loss, want_grad = full_batch_reference(model, digits.x_train, digits.y_train)
     rig = Rig(model, digits.x_train, digits.y_train, slow={0: 30.0})
     try:
-        for _ in range(2):
+        for _ in range(3):
             loss = rig.runner.run("x", "g")
             np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
             np.testing.assert_allclose(rig.gradient(), want_grad, rtol=1e-4, atol=1e-4)
         stats = rig.runner.history
-        assert sum(b.backups for b in stats) > 0 and sum(b.duplicates for b in stats) > 0
-        done = stats[-1].portions_by_replica
-        assert sum(done.values()) == 40 + stats[-1].recomputed
+        assert sum(b.backups for b in stats) > 0  # the straggler's portions got backup copies
+        for b in stats:
+            assert sum(b.portions_by_replica.values()) == 40 + b.recomputed
+        done = {r: sum(b.portions_by_replica.get(r, 0) for b in stats) for r in range(4)}
         assert done[0] < min(done[r] for r in (1, 2, 3))  # fast replicas do more
     finally:
         rig.close()

@@ -117,7 +117,7 @@ class ShardCore:
         if reason is not None:
             self.rejected[reason] += 1
             return False
-        self.staged[tag] = np.array(grad, dtype=np.float32, copy=True)
+        self.staged[tag] = grad  # read-only is fine: commit only reads it
         return True
 
     def commit(self, tag: str, into: str) -> bool:

@@ -21,6 +21,8 @@ import ray
 
 from distbelief.sandblaster.schedule import PortionScheduler, portion_bounds
 
+PIPELINE = 2  # portions queued on a replica at once, so it never waits for the coordinator
+
 
 class ShardVectorSpace:
     """The L-BFGS ``VectorSpace`` over shard actors; counts what comes back to the caller."""
@@ -81,6 +83,8 @@ class BatchStats:
     recomputed: int = 0
     failures: list[int] = field(default_factory=list)
     wall_s: float = 0.0
+    compute_s: dict[int, float] = field(default_factory=dict)  # replica time in compute
+    fetch_s: dict[int, float] = field(default_factory=dict)  # replica time fetching vectors
 
 
 class PortionRunner:
@@ -105,9 +109,7 @@ class PortionRunner:
         self.batch = 0
         self.inflight: dict[ray.ObjectRef, tuple] = {}  # ref -> (kind, replica, batch, data)
         self.history: list[BatchStats] = []
-
-    def busy(self, r: int) -> bool:
-        return any(info[1] == r for info in self.inflight.values())
+        self.portion_s: dict[int, float] = {}  # replica busy seconds per portion (moving avg)
 
     def run(self, vector: str, grad: str) -> float:
         """Loss summed over all rows at ``vector``; the gradient sum is committed to ``grad``."""
@@ -132,44 +134,48 @@ class PortionRunner:
         alive = sorted(self.replicas)
         sched = PortionScheduler(alive, n_portions=len(todo),
                                  max_copies=2 if self.backups else 1)
-        verdict = dict.fromkeys(alive, False)  # keep the replica's last computed portion?
+        verdicts: dict[int, list] = {r: [] for r in alive}  # decisions not yet delivered
         held: dict[int, list[int]] = {r: [] for r in alive}  # accepted, not yet committed
         lost: list[int] = []
+        here = (self.batch, stats.rounds)
         seq = [0]
 
         def push(r: int) -> None:
             seq[0] += 1
             tag = f"{self.batch}.{stats.rounds}.{r}.{seq[0]}"
-            ref = self.replicas[r].push.remote(self.batch, tag, verdict[r])
-            self.inflight[ref] = ("push", r, here, (tag, list(held[r])))
-            verdict[r] = False
+            ref = self.replicas[r].push.remote(self.batch, tag, verdicts[r])
+            self.inflight[ref] = ("push", r, here, (tag, list(held[r]), time.perf_counter()))
+            verdicts[r] = []
 
         def dispatch(r: int) -> None:
-            if r not in self.replicas or self.busy(r):
+            """Keep replica r busy: up to PIPELINE portions queued, pushes when due."""
+            if r not in self.replicas or self._pushing(r):
                 return
             if held[r] and (len(held[r]) >= self.k or not sched.has_fresh):
                 push(r)
                 return
-            local = sched.assign(r)
-            if local is None:
-                return
+            while self._computing(r) < self._depth(r):
+                local = sched.assign(r)
+                if local is None:
+                    return
+                start(r, local)
+
+        def start(r: int, local: int) -> None:
             portion = todo[local]
             lo, hi = self.bounds[portion]
             ref = self.replicas[r].compute.remote(self.batch, vector, portion, lo, hi,
-                                                  verdict[r])
+                                                  verdicts[r])
             self.inflight[ref] = ("compute", r, here, (local, portion))
-            verdict[r] = False
+            verdicts[r] = []
 
-        here = (self.batch, stats.rounds)
+        for r in alive:  # one portion each first: a static split gives one block per replica
+            if r in self.replicas and not self._computing(r) and not self._pushing(r):
+                local = sched.assign(r)
+                if local is not None:
+                    start(r, local)
         while not (sched.done and not any(held.values()) and not self._pushing()):
             if sched.done:
-                # Replicas still busy with a (now duplicate) portion would hold up the batch:
-                # give up their accepted portions, to be recomputed in the next round.
-                for r in held:
-                    if held[r] and self._computing(r):
-                        lost += held[r]
-                        held[r] = []
-                        self.replicas[r].discard.remote()
+                self._give_up_stragglers(held, lost, push)
             for r in list(self.replicas):
                 dispatch(r)
             if not self.inflight:
@@ -183,7 +189,12 @@ class PortionRunner:
                 if when == here and r in sched.replicas:
                     sched.fail(r)
                 lost += held.get(r, [])
-                held[r] = []
+                held[r], verdicts[r] = [], []
+                for other, info in list(self.inflight.items()):
+                    if info[1] == r:  # the dead actor's other calls fail too: forget them
+                        del self.inflight[other]
+                        if info[0] == "push":
+                            self.space.abort([info[3][0]])
                 if kind == "push":
                     self.space.abort([data[0]])
                 self._restart(r, sched)
@@ -192,13 +203,16 @@ class PortionRunner:
                 continue  # a straggler's answer from an earlier round or batch
             if kind == "compute":
                 local, portion = data
+                self._observe(r, reply["busy_s"])
+                stats.compute_s[r] = stats.compute_s.get(r, 0.0) + reply["compute_s"]
+                stats.fetch_s[r] = stats.fetch_s.get(r, 0.0) + reply["fetch_s"]
                 first = sched.complete(r, local)
-                verdict[r] = first
+                verdicts[r].append((portion, first))
                 if first:
                     losses[portion] = reply["loss_sum"]
                     held[r].append(portion)
             else:
-                tag, expected = data
+                tag, expected, _ = data
                 if sorted(reply) != sorted(expected):
                     raise RuntimeError(f"replica {r} staged {reply}, expected {expected}")
                 self.space.commit(tag, grad)
@@ -210,11 +224,40 @@ class PortionRunner:
         stats.duplicates += sched.duplicates_discarded
         return lost
 
-    def _computing(self, r: int) -> bool:
-        return any(info[0] == "compute" and info[1] == r for info in self.inflight.values())
+    def _give_up_stragglers(self, held: dict[int, list[int]], lost: list[int], push) -> None:
+        """Every portion has a result; replicas still computing (duplicates now) hold others.
 
-    def _pushing(self) -> bool:
-        return any(info[0] == "push" for info in self.inflight.values())
+        For each such replica, either queue its push behind its current work (if that work
+        should end sooner than recomputing its portions on the fastest replica), or give its
+        portions up to the next round and tell it to forget them.
+        """
+        fastest = min(self.portion_s.values(), default=0.0)
+        for r in held:
+            if not held[r] or not self._computing(r) or self._pushing(r):
+                continue
+            wait = self._computing(r) * self.portion_s.get(r, fastest)
+            if wait <= fastest * len(held[r]):
+                push(r)
+            else:
+                lost += held[r]
+                held[r] = []
+                self.replicas[r].discard.remote()
+
+    def _depth(self, r: int) -> int:
+        """Portions to queue on replica r: PIPELINE once it has shown it is not a straggler."""
+        mine, fastest = self.portion_s.get(r), min(self.portion_s.values(), default=None)
+        return PIPELINE if mine is not None and mine <= 2 * fastest else 1
+
+    def _observe(self, r: int, seconds: float) -> None:
+        """Track each replica's time per portion (exponential moving average)."""
+        old = self.portion_s.get(r)
+        self.portion_s[r] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def _computing(self, r: int) -> int:
+        return sum(info[0] == "compute" and info[1] == r for info in self.inflight.values())
+
+    def _pushing(self, r: int | None = None) -> bool:
+        return any(info[0] == "push" and r in (None, info[1]) for info in self.inflight.values())
 
     def _restart(self, r: int, sched: PortionScheduler) -> None:
         self.restarts[r] += 1

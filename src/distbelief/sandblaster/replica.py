@@ -36,40 +36,45 @@ class SandblasterReplica:
         self.batch: int | None = None
         self.accrued = torch.zeros_like(self.flat.grad)
         self.held: list[int] = []
-        self.pending: int | None = None  # the last computed portion, awaiting its verdict
-        self.pending_grad = torch.zeros_like(self.flat.grad)
+        self.pending: dict[int, torch.Tensor] = {}  # computed portions awaiting a verdict
 
     def where(self) -> str:
         return cluster.node_id()
 
     def compute(self, batch: int, vector: str, portion: int, lo: int, hi: int,
-                keep_last: bool) -> dict:
+                verdicts: list[tuple[int, bool]]) -> dict:
         """Loss sum and gradient sum over rows ``lo:hi`` at parameters ``vector``.
 
-        ``keep_last`` is the coordinator's verdict on the previous portion computed here.
-        Returns the portion, the loss summed over its rows and the row count.
+        ``verdicts`` are the coordinator's ``(portion, keep)`` decisions on portions computed
+        here before. Returns the portion, the loss summed over its rows and the row count.
         """
-        began = time.perf_counter()
-        self._settle(keep_last)
+        entered = time.perf_counter()
+        self._settle(verdicts)
+        fetch_s = 0.0
         if batch != self.batch:
+            began = time.perf_counter()
             self._begin(batch, vector)
+            fetch_s = time.perf_counter() - began
+        began = time.perf_counter()
         self.flat.zero_grad()
         rows = hi - lo
         loss = self.loss_fn(self.flat.model(self.x[lo:hi]), self.y[lo:hi]) * rows
         loss.backward()
         self.flat.sync_grads()
-        self.pending_grad.copy_(self.flat.grad)
-        self.pending = portion
+        self.pending[portion] = self.flat.grad.clone()
+        compute_s = time.perf_counter() - began
         if self.slow > 1.0:
-            time.sleep((self.slow - 1.0) * (time.perf_counter() - began))
-        return {"portion": portion, "loss_sum": float(loss), "rows": rows}
+            time.sleep((self.slow - 1.0) * compute_s)
+        return {"portion": portion, "loss_sum": float(loss), "rows": rows,
+                "compute_s": compute_s, "fetch_s": fetch_s,
+                "busy_s": time.perf_counter() - entered - fetch_s}
 
-    def push(self, batch: int, tag: str, keep_last: bool) -> list[int]:
+    def push(self, batch: int, tag: str, verdicts: list[tuple[int, bool]]) -> list[int]:
         """Stage the sum of this batch's accepted portions on every shard under ``tag``.
 
         Returns the portions included; the accumulator is empty afterwards.
         """
-        self._settle(keep_last)
+        self._settle(verdicts)
         if batch != self.batch or not self.held:
             return []
         bounds = self.plan.bounds
@@ -85,7 +90,7 @@ class SandblasterReplica:
 
     def discard(self) -> None:
         """Forget this batch's accepted portions (the coordinator has them recomputed)."""
-        self.held, self.pending = [], None
+        self.held, self.pending = [], {}
         self.accrued.zero_()
 
     def _begin(self, batch: int, vector: str) -> None:
@@ -93,11 +98,12 @@ class SandblasterReplica:
         bounds = self.plan.bounds
         for lo, hi, part in zip(bounds, bounds[1:], parts):
             self.flat.flat_np[lo:hi] = part
-        self.batch, self.held, self.pending = batch, [], None
+        self.batch, self.held, self.pending = batch, [], {}
         self.accrued.zero_()
 
-    def _settle(self, keep: bool) -> None:
-        if self.pending is not None and keep:
-            self.accrued += self.pending_grad
-            self.held.append(self.pending)
-        self.pending = None
+    def _settle(self, verdicts: list[tuple[int, bool]]) -> None:
+        for portion, keep in verdicts:
+            grad = self.pending.pop(portion, None)
+            if grad is not None and keep:
+                self.accrued += grad
+                self.held.append(portion)

@@ -70,7 +70,9 @@ class SandblasterLBFGS(Trainer):
             log.log("batch", batch=b.batch, vector=vector, loss=loss, wall_s=b.wall_s,
                     portions_by_replica={str(k): v for k, v in b.portions_by_replica.items()},
                     backups=b.backups, duplicates=b.duplicates, rounds=b.rounds,
-                    recomputed=b.recomputed, failures=b.failures)
+                    recomputed=b.recomputed, failures=b.failures,
+                    compute_s={str(k): v for k, v in b.compute_s.items()},
+                    fetch_s={str(k): v for k, v in b.fetch_s.items()})
             return loss
 
         client = PSClient(shards, self.plan)
