@@ -44,3 +44,31 @@ def test_staleness_is_version_at_apply_minus_fetched_version(core):
     core.push(g, 0)  # two behind
     core.push(g, 3)  # fresh again
     assert core.stats()["staleness"] == {"0": 2, "1": 1, "2": 1}
+
+
+def test_ranged_adagrad_equals_dense_adagrad_on_the_touched_elements():
+    from distbelief.ps.optim import Adagrad
+
+    rng = np.random.default_rng(0)
+    init = rng.standard_normal(10).astype(np.float32)
+    dense, ranged = ShardCore(0, init, Adagrad(0.1)), ShardCore(0, init, Adagrad(0.1))
+    ranges = [(1, 3), (6, 9)]
+    touched = np.r_[1:3, 6:9]
+    for _ in range(3):
+        g = rng.standard_normal(5).astype(np.float32)
+        full = np.zeros(10, np.float32)
+        full[touched] = g
+        dense.push(full, dense.version)
+        assert ranged.push_ranges(ranges, g, ranged.version)
+    _, values = ranged.fetch_ranges(ranges)
+    np.testing.assert_allclose(values, dense.params[touched], rtol=1e-6)
+    untouched = np.setdiff1d(np.arange(10), touched)
+    np.testing.assert_array_equal(ranged.params[untouched], init[untouched])
+    np.testing.assert_allclose(ranged.state["accumulator"], dense.state["accumulator"])
+
+
+def test_ranged_push_out_of_range_or_misshaped_is_rejected(core):
+    assert not core.push_ranges([(2, 9)], np.ones(7, np.float32), 0)
+    assert not core.push_ranges([(0, 2)], np.ones(3, np.float32), 0)
+    assert core.stats()["rejected"] == {"range": 1, "shape": 1}
+    assert core.version == 0 and np.all(core.params == 0)

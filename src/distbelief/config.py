@@ -11,6 +11,7 @@ from distbelief.errors import UserError
 ALGORITHMS = ("downpour", "sandblaster")
 OPTIMIZERS = ("sgd", "momentum", "adagrad")
 DATASETS = ("digits", "synthetic")
+MODELS = ("mlp", "lc")
 
 
 def flag(name: str) -> str:
@@ -36,6 +37,8 @@ class TrainConfig:
     features: int = 32
     classes: int = 10
     hidden: int = 64
+    model: str = "mlp"
+    partitions: int = 1
     replicas: int = 2
     shards: int = 2
     n_fetch: int = 1
@@ -66,6 +69,8 @@ class TrainConfig:
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("dataset", self.dataset, DATASETS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("model", self.model, MODELS)
+        _at_least("partitions", self.partitions, 1)
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
                      "samples", "features"):
             _at_least(name, getattr(self, name), 1)

@@ -51,6 +51,43 @@ class PSClient:
         ]
         self.pushes += 1
 
+    def local_ranges(self, ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """Split global flat ranges (sorted, disjoint) into each shard's local ranges."""
+        out: list[list[tuple[int, int]]] = [[] for _ in self.shards]
+        bounds = self.plan.bounds
+        for lo, hi in ranges:
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                x, y = max(lo, a), min(hi, b)
+                if x < y:
+                    out[s].append((x - a, y - a))
+        return out
+
+    def fetch_ranges(self, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """The concatenated values of global flat ``ranges``, fetched from their shards only."""
+        local = self.local_ranges(ranges)
+        asked = [s for s, r in enumerate(local) if r]
+        replies = ray.get([self.shards[s].fetch_ranges.remote(local[s]) for s in asked])
+        for s, (version, _) in zip(asked, replies):
+            self.versions[s] = version
+        self.fetches += 1
+        if not replies:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate([part for _, part in replies])
+
+    def push_ranges(self, ranges: list[tuple[int, int]], grad: np.ndarray) -> None:
+        """Push the gradient of global flat ``ranges`` (concatenated) to the shards owning them."""
+        self.wait()
+        local = self.local_ranges(ranges)
+        offset, refs = 0, []
+        for s, r in enumerate(local):
+            size = sum(hi - lo for lo, hi in r)
+            if size:
+                refs.append(self.shards[s].push_ranges.remote(
+                    r, grad[offset: offset + size], self.versions[s], self.replica))
+            offset += size
+        self._in_flight = refs
+        self.pushes += 1
+
     def wait(self) -> None:
         """Block until the last push is applied (or rejected) by every shard."""
         if self._in_flight:

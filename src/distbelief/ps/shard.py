@@ -45,12 +45,16 @@ class ShardCore:
         return self.version, view
 
     def check(self, grad: object) -> str | None:
-        """Why ``grad`` may not be applied, or None if it may."""
+        """Why ``grad`` may not be applied to the whole slice, or None if it may."""
+        return self.check_shape(grad, self.params.shape)
+
+    def check_shape(self, grad: object, shape: tuple[int, ...]) -> str | None:
+        """Why ``grad`` is not a finite float32 array of ``shape``, or None if it is."""
         if not isinstance(grad, np.ndarray):
             return "type"
         if grad.dtype not in ACCEPTED_DTYPES:
             return "dtype"
-        if grad.shape != self.params.shape:
+        if grad.shape != tuple(shape):
             return "shape"
         if not np.isfinite(grad).all():
             return "nonfinite"
@@ -131,6 +135,52 @@ class ShardCore:
     def abort(self, tags: list[str]) -> None:
         for tag in tags:
             self.staged.pop(tag, None)
+
+    # Ranged (sparse) access: a model partition or an embedding lookup touches only some
+    # elements. ``ranges`` are half-open (start, stop) pairs in this shard's coordinates.
+
+    def fetch_ranges(self, ranges: list[tuple[int, int]]) -> tuple[int, np.ndarray]:
+        """Current version and the concatenated values of ``ranges`` (a copy)."""
+        self.fetches += 1
+        index = self._index(ranges)
+        return self.version, self.params[index]
+
+    def push_ranges(self, ranges: list[tuple[int, int]], grad: np.ndarray,
+                    fetched_version: int, replica: int = -1) -> bool:
+        """Apply ``grad`` (the concatenated gradient of ``ranges``) to those elements only.
+
+        The update rule and its state see just the touched elements, so Adagrad or
+        momentum on a subset equals the dense rule restricted to it. Malformed input is
+        rejected and counted, as for :meth:`push`; ranges outside the slice count as
+        ``range``.
+        """
+        try:
+            index = self._index(ranges)
+        except ValueError:
+            self.rejected["range"] += 1
+            return False
+        reason = self.check_shape(grad, (index.size,))
+        if reason is not None:
+            self.rejected[reason] += 1
+            return False
+        self.staleness[self.version - int(fetched_version)] += 1
+        param = self.params[index]
+        state = {k: v[index] for k, v in self.state.items()}
+        self.rule.apply(param, grad, state)
+        self.params[index] = param
+        for k, v in state.items():
+            self.state[k][index] = v
+        self.version += 1
+        self.pushes_by_replica[int(replica)] += 1
+        return True
+
+    def _index(self, ranges: list[tuple[int, int]]) -> np.ndarray:
+        n = self.params.size
+        if any(not (0 <= lo <= hi <= n) for lo, hi in ranges):
+            raise ValueError(f"a range falls outside 0..{n}")
+        if not ranges:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
 
     def stats(self) -> dict:
         """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
