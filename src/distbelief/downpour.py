@@ -113,6 +113,18 @@ class DownpourSGD(Trainer):
 
     algorithm = "downpour"
 
+    def _replica_actor(self):
+        """The replica actor class: one process per replica, or a model-parallel group."""
+        if self.cfg.partitions > 1:
+            from distbelief.modelpar.replica import ModelParallelReplica
+
+            return ModelParallelReplica
+        return DownpourReplica
+
+    def _replica_kwargs(self, shards: list) -> dict:
+        """Extra keyword arguments for every replica (subclasses add their own actors)."""
+        return {}
+
     def _train(self, log: RunLog, x, y, test) -> TrainResult:
         cfg, plan = self.cfg, self.plan
         began = time.time()
@@ -122,10 +134,13 @@ class DownpourSGD(Trainer):
         shards = self._start_shards(initial)
         x_ref, y_ref = ray.put(x), ray.put(y)
 
+        extra = self._replica_kwargs(shards)
+        replica_actor = self._replica_actor()
+
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
-            return DownpourReplica.options(name=self.actor_name("replica", i),
-                                           scheduling_strategy="SPREAD").remote(
-                i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref, cfg, step)
+            return replica_actor.options(name=self.actor_name("replica", i),
+                                         scheduling_strategy="SPREAD").remote(
+                i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref, cfg, step, **extra)
 
         replicas = {i: start(i) for i in range(cfg.replicas)}
         try:
