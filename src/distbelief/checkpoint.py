@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,3 +43,79 @@ def load_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except (SafetensorError, OSError, ValueError) as err:
         raise UserError(f"checkpoint {path} is corrupt or not safetensors ({err}): "
                         "use another checkpoint") from None
+
+
+MANIFEST = "checkpoint-{:06d}.json"
+KEEP = 2  # complete checkpoints kept in a run folder
+
+
+def shard_file(run_dir: Path, number: int, shard: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{number:06d}-shard{shard}.safetensors"
+
+
+def write_manifest(run_dir: Path, number: int, versions: Sequence[int], plan,
+                   state_names: Sequence[str], extra: Mapping) -> Path:
+    """Name a complete set of shard files (written before this) as checkpoint ``number``.
+
+    The manifest is written last and atomically, so a crash at any moment leaves the
+    previous complete checkpoint as the newest one a resume finds. Older sets beyond
+    ``KEEP`` are deleted.
+    """
+    folder = Path(run_dir) / "checkpoints"
+    manifest = {
+        "checkpoint": number, "time": time.time(),
+        "shards": [{"file": shard_file(run_dir, number, i).name, "version": int(v)}
+                   for i, v in enumerate(versions)],
+        "tensors": [[t.name, list(t.shape)] for t in plan.tensors],
+        "bounds": list(plan.bounds), "state": list(state_names), **extra,
+    }
+    path = folder / MANIFEST.format(number)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    for old in sorted(folder.glob("checkpoint-*.json"))[:-KEEP]:
+        number_old = int(old.stem.split("-")[1])
+        for f in folder.glob(f"{number_old:06d}-shard*.safetensors"):
+            f.unlink(missing_ok=True)
+        old.unlink(missing_ok=True)
+    return path
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, plan, state_names: Sequence[str]
+                      ) -> tuple[dict, list[dict[str, np.ndarray]]]:
+    """The newest complete checkpoint of ``run_dir`` that fits ``plan``: manifest + arrays.
+
+    Raises :class:`UserError` (one line, naming the fix) when there is none, when files are
+    missing or corrupt, or when the checkpoint belongs to a different model or optimizer.
+    """
+    folder = Path(run_dir) / "checkpoints"
+    manifests = sorted(folder.glob("checkpoint-*.json"))
+    if not manifests:
+        raise UserError(f"--resume {run_dir}: no checkpoint found in {folder}: pass the run "
+                        "folder of a run that wrote checkpoints")
+    path = manifests[-1]
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"checkpoint manifest {path} is corrupt ({err}): delete it to fall "
+                        "back to the previous checkpoint") from None
+    tensors = [[t.name, list(t.shape)] for t in plan.tensors]
+    if manifest.get("tensors") != tensors or manifest.get("bounds") != list(plan.bounds):
+        raise UserError(f"checkpoint {path} is of a different model or --shards: resume with "
+                        "the model and --shards of the run that wrote it")
+    if manifest.get("state") != list(state_names):
+        raise UserError(f"checkpoint {path} was written with optimizer state "
+                        f"{manifest.get('state')}: resume with the same --optimizer")
+    parts = []
+    for i, entry in enumerate(manifest["shards"]):
+        arrays = load_arrays(folder / entry["file"])
+        size = plan.bounds[i + 1] - plan.bounds[i]
+        for name in ("params", *state_names):
+            if name not in arrays or arrays[name].shape != (size,) \
+                    or arrays[name].dtype != np.float32:
+                raise UserError(f"checkpoint file {entry['file']} lacks a float32 {name!r} of "
+                                f"{size} elements: it is damaged, use another checkpoint")
+        parts.append(arrays)
+    return manifest, parts

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="output folder (default runs/<time>)")
     t.add_argument("--slow-replica", dest="slow_replicas", type=_slow, action="append",
                    default=[], metavar="INDEX:FACTOR", help="make a replica slower (repeatable)")
+    t.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float,
+                   default=d.checkpoint_every_s,
+                   help="seconds between shard checkpoints (0: only at the end and on Ctrl-C)")
+    t.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest complete checkpoint")
     t.add_argument("--iterations", type=int, default=d.iterations,
                    help="sandblaster: L-BFGS iterations at most")
     t.add_argument("--portions", type=int, default=d.portions,
@@ -83,7 +88,7 @@ def train(args: argparse.Namespace) -> int:
     fields["slow_replicas"] = dict(fields["slow_replicas"])
     fields["address"] = fields["address"] or cluster.default_address()
     if fields["run_dir"] is None:
-        fields["run_dir"] = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        fields["run_dir"] = fields["resume"] or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg = TrainConfig(**fields).validate()
     ds = data.load(cfg.dataset, cfg.samples, cfg.features, cfg.classes, cfg.seed)
     model = models.mlp(ds.features, cfg.hidden, ds.classes, cfg.seed)
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distbelief: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("distbelief: interrupted", file=sys.stderr)
+        print("distbelief: interrupted; the shards' state was checkpointed (see --resume)",
+              file=sys.stderr)
         return 130
 
 

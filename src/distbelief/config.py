@@ -56,6 +56,8 @@ class TrainConfig:
     num_cpus: int | None = None
     run_dir: str | None = None
     slow_replicas: dict[int, float] = field(default_factory=dict)
+    checkpoint_every_s: float = 0.0  # 0: only at the end of the run (and on Ctrl-C)
+    resume: str | None = None
     # Sandblaster L-BFGS
     iterations: int = 40
     portions: int = 0  # 0: PORTIONS_PER_REPLICA per replica
@@ -88,6 +90,9 @@ class TrainConfig:
                             "replica 0's steps, so pass a smaller value")
         _positive("lr", self.lr)
         _positive("eval_every_s", self.eval_every_s)
+        if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
+            raise UserError(f"{flag('checkpoint_every_s').replace('-s', '')} must be >= 0 "
+                            f"seconds (got {self.checkpoint_every_s})")
         if not (0.0 <= self.momentum < 1.0):
             raise UserError(f"{flag('momentum')} must be in [0, 1) (got {self.momentum})")
         if self.num_cpus is not None:

@@ -22,6 +22,7 @@ from torch import nn
 from distbelief import cluster
 from distbelief.config import TrainConfig
 from distbelief.data import ReplicaSampler, replica_indices
+from distbelief.errors import UserError
 from distbelief.flat import FlatModel
 from distbelief.metrics import RunLog
 from distbelief.ps.client import PSClient
@@ -142,15 +143,28 @@ class DownpourSGD(Trainer):
                                          scheduling_strategy="SPREAD").remote(
                 i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref, cfg, step, **extra)
 
-        replicas = {i: start(i) for i in range(cfg.replicas)}
+        resumed = self._resumed
+        replicas = {i: start(i, resumed.get(i, 0)) for i in range(cfg.replicas)}
         try:
-            return self._drive(log, began, shards, replicas, start, evaluator)
+            return self._drive(log, began, shards, replicas, start, evaluator, resumed)
         finally:
             for actor in [*replicas.values(), *shards]:
                 ray.kill(actor)
 
+    _resumed: dict[int, int] = {}  # steps each replica had done at the resumed checkpoint
+
+    def _check_restored(self) -> None:
+        manifest = self.restored[0]
+        steps = {int(k): int(v) for k, v in manifest.get("replica_steps", {}).items()}
+        if manifest.get("algorithm") != "downpour" or len(steps) != self.cfg.replicas:
+            raise UserError(f"the checkpoint in {self.cfg.resume} is of a "
+                            f"{manifest.get('algorithm')} run with {len(steps)} replicas: "
+                            "resume with the same --algorithm and --replicas")
+        self._checkpoints = int(manifest["checkpoint"])
+        self._resumed = steps
+
     def _drive(self, log: RunLog, began: float, shards: list, replicas: dict, start,
-               evaluator: Evaluator) -> TrainResult:
+               evaluator: Evaluator, resumed: dict[int, int]) -> TrainResult:
         """The driver loop: resubmit each replica's next segment the moment it returns."""
         cfg, plan = self.cfg, self.plan
         client = PSClient(shards, plan)
@@ -158,57 +172,75 @@ class DownpourSGD(Trainer):
                                                                   for s in shards])],
                 replicas=ray.get([r.where.remote() for r in replicas.values()]))
         self._progress = self._progress_bar(cfg.replicas * cfg.steps)
-        done = {i: 0 for i in replicas}
+        done = {i: resumed.get(i, 0) for i in replicas}
         restarts = {i: 0 for i in replicas}
         counters: dict[int, dict] = {}
-        warm = cfg.warmstart_steps > 0
+        warm = done[0] < cfg.warmstart_steps
         pending: dict[ray.ObjectRef, int] = {}
 
         def submit(i: int) -> None:
             limit = cfg.warmstart_steps if warm else cfg.steps
-            pending[replicas[i].run.remote(min(SEGMENT_STEPS, limit - done[i]))] = i
+            if done[i] < limit:
+                pending[replicas[i].run.remote(min(SEGMENT_STEPS, limit - done[i]))] = i
+
+        def checkpoint() -> None:
+            self._checkpoint(log, shards, {"algorithm": "downpour",
+                                           "replica_steps": {str(k): v for k, v in done.items()}})
 
         for i in [0] if warm else list(replicas):
             submit(i)
         next_eval = time.time()
-        while pending:
-            if time.time() >= next_eval:
-                self._evaluate(log, client, evaluator, began)
-                next_eval = time.time() + cfg.eval_every_s
-            ready, _ = ray.wait(list(pending), num_returns=1,
-                                timeout=max(0.0, next_eval - time.time()))
-            for ref in ready:
-                i = pending.pop(ref)
-                try:
-                    reply = ray.get(ref)
-                except ray.exceptions.RayActorError as err:
-                    restarts[i] += 1
-                    log.log("replica_failed", replica=i, step=done[i], restarts=restarts[i],
-                            error=type(err).__name__)
-                    if restarts[i] > MAX_RESTARTS:
-                        ray.kill(replicas.pop(i))
-                    else:
-                        replicas[i] = start(i, done[i])
+        next_checkpoint = time.time() + (cfg.checkpoint_every_s or float("inf"))
+        try:
+            while pending:
+                if time.time() >= next_checkpoint:
+                    checkpoint()
+                    next_checkpoint = time.time() + cfg.checkpoint_every_s
+                if time.time() >= next_eval:
+                    self._evaluate(log, client, evaluator, began)
+                    next_eval = time.time() + cfg.eval_every_s
+                wake = min(next_eval, next_checkpoint)
+                ready, _ = ray.wait(list(pending), num_returns=1,
+                                    timeout=max(0.0, wake - time.time()))
+                for ref in ready:
+                    i = pending.pop(ref)
+                    try:
+                        reply = ray.get(ref)
+                    except ray.exceptions.RayActorError as err:
+                        restarts[i] += 1
+                        log.log("replica_failed", replica=i, step=done[i], restarts=restarts[i],
+                                error=type(err).__name__)
+                        if restarts[i] > MAX_RESTARTS:
+                            ray.kill(replicas.pop(i))
+                        else:
+                            replicas[i] = start(i, done[i])
+                            submit(i)
+                        continue
+                    for e in reply["events"]:
+                        log.log("step", **e)
+                    counters[i] = {k: reply[k] for k in ("fetches", "pushes", "rejected")}
+                    done[i] = reply["step"]
+                    self._tick(len(reply["events"]), reply["events"][-1]["loss"])
+                    if warm and done[0] >= cfg.warmstart_steps:
+                        warm = False
+                        log.log("warmstart_done", step=done[0])
+                        for j in replicas:
+                            if done[j] < cfg.steps:
+                                submit(j)
+                    elif done[i] < (cfg.warmstart_steps if warm else cfg.steps):
                         submit(i)
-                    continue
-                for e in reply["events"]:
-                    log.log("step", **e)
-                counters[i] = {k: reply[k] for k in ("fetches", "pushes", "rejected")}
-                done[i] = reply["step"]
-                self._tick(len(reply["events"]), reply["events"][-1]["loss"])
-                if warm and done[0] >= cfg.warmstart_steps:
-                    warm = False
-                    log.log("warmstart_done", step=done[0])
-                    for j in replicas:
-                        if done[j] < cfg.steps:
-                            submit(j)
-                elif done[i] < (cfg.warmstart_steps if warm else cfg.steps):
-                    submit(i)
+        except KeyboardInterrupt:
+            for r in replicas.values():
+                ray.kill(r)  # stop pushing, so the checkpoint is what the shards hold now
+            checkpoint()
+            log.log("interrupted", replica_steps=dict(done))
+            raise
         if not replicas:
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
         for i, c in zip(replicas, ray.get([r.finish.remote() for r in replicas.values()])):
             counters[i] = c
+        checkpoint()
         final = self._evaluate(log, client, evaluator, began)
         stats = ray.get([s.stats.remote() for s in shards])
         updates = sum(c["pushes"] for c in counters.values())

@@ -8,8 +8,12 @@ subclass's ``_train``.
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,12 +22,13 @@ import torch
 from torch import nn
 
 from distbelief import cluster
-from distbelief.checkpoint import save_arrays
+from distbelief.checkpoint import latest_checkpoint, save_arrays, shard_file, write_manifest
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.metrics import RunLog, plot_run
 from distbelief.ps.client import PSClient
+from distbelief.ps.optim import make_rule
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 
@@ -69,6 +74,8 @@ class Trainer:
         self._progress = None
         self._show_progress = False
         self._accuracy: float | None = None
+        self.restored = None
+        self._checkpoints = 0
 
     def actor_name(self, role: str, index: int) -> str:
         """The Ray actor name of a shard or replica of this run (for tools and fault tests)."""
@@ -84,13 +91,20 @@ class Trainer:
         x_train, y_train = as_arrays(x_train, y_train, "training")
         test = as_arrays(x_test, y_test, "test") if x_test is not None else None
         self._show_progress = progress
+        self.restored = None
+        if cfg.resume:
+            if cfg.run_dir is None:
+                self.cfg = cfg = dataclasses.replace(cfg, run_dir=cfg.resume)
+            self.restored = latest_checkpoint(cfg.resume, self.plan, self._state_names())
+            self._check_restored()
         num_cpus = cfg.num_cpus or max(2, cfg.replicas + cfg.shards)
         with cluster.session(cfg.address, num_cpus=num_cpus,
                              object_store_memory=store_bytes(x_train, self.plan)):
             log = RunLog(cfg.run_dir)
             log.write_json("config.json", cfg.to_dict())
             try:
-                return self._train(log, x_train, y_train, test)
+                with _sigterm_as_interrupt():
+                    return self._train(log, x_train, y_train, test)
             finally:
                 log.close()
                 if self._progress is not None:
@@ -100,12 +114,37 @@ class Trainer:
     def _train(self, log: RunLog, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
         raise NotImplementedError
 
+    def _check_restored(self) -> None:
+        """Raise :class:`UserError` if ``self.restored`` cannot continue this run."""
+
+    def _state_names(self) -> tuple[str, ...]:
+        return make_rule(self.cfg.optimizer, self.cfg.lr, self.cfg.momentum).state_names
+
     def _start_shards(self, initial: list[np.ndarray]) -> list[ray.actor.ActorHandle]:
+        """One shard actor per planned slice, from ``initial`` or from the resumed checkpoint."""
         cfg = self.cfg
+        restored = [None] * self.plan.shards
+        if self.restored is not None:
+            manifest, parts = self.restored
+            restored = [{"arrays": a, "version": e["version"]}
+                        for a, e in zip(parts, manifest["shards"])]
         return [ParameterShard.options(name=self.actor_name("shard", i),
                                        scheduling_strategy="SPREAD")
-                .remote(i, initial[i], cfg.optimizer, cfg.lr, cfg.momentum)
+                .remote(i, initial[i], cfg.optimizer, cfg.lr, cfg.momentum, restored[i])
                 for i in range(self.plan.shards)]
+
+    def _checkpoint(self, log: RunLog, shards: list, extra: dict) -> int | None:
+        """Every shard writes its slice, rule state and version; then the manifest. Number."""
+        if log.run_dir is None:
+            return None
+        self._checkpoints += 1
+        number = self._checkpoints
+        (log.run_dir / "checkpoints").mkdir(exist_ok=True)
+        versions = ray.get([s.save.remote(str(shard_file(log.run_dir, number, i)))
+                            for i, s in enumerate(shards)])
+        write_manifest(log.run_dir, number, versions, self.plan, self._state_names(), extra)
+        log.log("checkpoint", number=number, versions=versions, **extra)
+        return number
 
     def _progress_bar(self, total: int):
         if not self._show_progress:
@@ -145,6 +184,26 @@ class Trainer:
         return TrainResult(params, final.get("test_accuracy"), final.get("test_loss"),
                            updates, wall, shard_stats, counters, log.events,
                            str(log.run_dir) if log.run_dir else None)
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C (checkpoint, stop actors) while training, in the main thread.
+
+    Installed after Ray starts, since ``ray.init`` sets a SIGTERM handler of its own.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Evaluator:

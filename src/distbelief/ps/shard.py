@@ -76,6 +76,21 @@ class ShardCore:
         self.pushes_by_replica[int(replica)] += 1
         return True
 
+    def save(self, path: str) -> int:
+        """Write parameters, rule state and version to ``path`` atomically; the version."""
+        from distbelief.checkpoint import save_arrays
+
+        save_arrays(path, {"params": self.params, **self.state},
+                    {"version": str(self.version), "shard": str(self.shard_id)})
+        return self.version
+
+    def restore(self, arrays: dict[str, np.ndarray], version: int) -> None:
+        """Load what :meth:`save` wrote (already validated by the caller)."""
+        np.copyto(self.params, arrays["params"])
+        for name in self.state:
+            np.copyto(self.state[name], arrays[name])
+        self.version = int(version)
+
     # Sandblaster: named vectors over this shard's slice ("x" is the parameters themselves).
     # The coordinator sends these small commands and gets back only scalars.
 
@@ -202,8 +217,10 @@ class ParameterShard(ShardCore):
     """Ray actor holding one shard: every :class:`ShardCore` method is a remote method."""
 
     def __init__(self, shard_id: int, init: np.ndarray, optimizer: str, lr: float,
-                 momentum: float = 0.9) -> None:
+                 momentum: float = 0.9, restored: dict | None = None) -> None:
         super().__init__(shard_id, init, make_rule(optimizer, lr, momentum))
+        if restored is not None:
+            self.restore(restored["arrays"], restored["version"])
 
     def stats(self) -> dict:
         return super().stats() | {"node": ray.get_runtime_context().get_node_id()}
