@@ -138,7 +138,7 @@ def scipy_softmax_accuracy(ds, l2, seed):
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         grad = np.concatenate([p.grad.numpy().ravel() for p in params]).astype(np.float64)
-        return float(loss) + 0.5 * l2 * theta @ theta, grad + l2 * theta
+        return loss.item() + 0.5 * l2 * theta @ theta, grad + l2 * theta
 
     theta0 = np.concatenate([p.detach().numpy().ravel() for p in params]).astype(np.float64)
     res = scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
