@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import ray
 
@@ -59,3 +60,62 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert proc.stderr.strip() == ("distbelief: error: --lr must be a finite number > 0 "
                                    "(got 0.0)")
     assert proc.stdout == ""
+
+
+def bad_npz(tmp_path, **arrays):
+    rng = np.random.default_rng(0)
+    good = {"x_train": rng.random((20, 4), dtype=np.float32), "y_train": np.arange(20) % 3,
+            "x_test": rng.random((6, 4), dtype=np.float32), "y_test": np.arange(6) % 3}
+    good.update(arrays)
+    path = tmp_path / "data.npz"
+    np.savez(path, **{k: v for k, v in good.items() if v is not None})
+    return path
+
+
+NPZ_CASES = [
+    ({"y_test": None}, "lacks y_test"),
+    ({"x_train": np.ones((20, 4), np.int64)}, "x_train must be a 2-D float array"),
+    ({"y_train": np.zeros(20, np.float32)}, "y_train must be a 1-D integer array"),
+    ({"y_train": np.zeros(19, np.int64)}, "x_train has 20 rows but y_train 19"),
+    ({"x_test": np.full((6, 4), np.nan, np.float32)}, "x_test contains NaN or inf"),
+    ({"x_test": np.ones((6, 5), np.float32)}, "different column counts"),
+]
+
+
+@pytest.mark.parametrize("arrays,message", NPZ_CASES, ids=[m for _, m in NPZ_CASES])
+def test_malformed_npz_dataset_is_one_line_exit_2(tmp_path, capsys, arrays, message):
+    path = bad_npz(tmp_path, **arrays)
+    code = run_cli(["train", "--dataset", str(path), "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
+    assert not ray.is_initialized() and not (tmp_path / "r").exists()
+
+
+def test_missing_and_non_npz_files(tmp_path, capsys):
+    assert run_cli(["train", "--dataset", str(tmp_path / "nope.npz")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip file at all")
+    assert run_cli(["train", "--dataset", str(junk), "--run-dir", str(tmp_path / "r")]) == 2
+    assert "is not a readable .npz" in capsys.readouterr().err
+
+
+def test_npz_with_pickled_objects_is_refused_without_running_code(tmp_path, capsys):
+    path = tmp_path / "evil.npz"
+    np.savez(path, x_train=np.array([{"a": 1}], dtype=object), y_train=np.zeros(1, np.int64),
+             x_test=np.zeros((1, 1), np.float32), y_test=np.zeros(1, np.int64))
+    assert run_cli(["train", "--dataset", str(path), "--run-dir", str(tmp_path / "r")]) == 2
+    assert "is not a readable .npz" in capsys.readouterr().err
+
+
+def test_train_on_a_users_npz(tmp_path, capsys):
+    from distbelief import data
+
+    ds = data.digits()
+    path = tmp_path / "digits.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_test=ds.x_test, y_test=ds.y_test)
+    code = run_cli(["train", "--dataset", str(path), "--replicas", "2", "--steps", "200",
+                    "--no-progress", "--run-dir", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert float(out.strip().splitlines()[-1].split()[1].split("=")[1]) > 0.9

@@ -69,7 +69,9 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Raise :class:`UserError` naming the first bad field's flag and the fix."""
         _choice("algorithm", self.algorithm, ALGORITHMS)
-        _choice("dataset", self.dataset, DATASETS)
+        if self.dataset not in DATASETS and not self.dataset.endswith(".npz"):
+            raise UserError(f"{flag('dataset')} {self.dataset!r} is unknown: choose one of "
+                            f"{', '.join(DATASETS)} or the path of a .npz file")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("model", self.model, MODELS)
         _at_least("partitions", self.partitions, 1)

@@ -34,12 +34,66 @@ class Dataset:
 
 def load(name: str, samples: int = 10000, features: int = 32, classes: int = 10,
          seed: int = 0) -> Dataset:
-    """The dataset called ``name``: ``digits`` or ``synthetic`` (sized by the other args)."""
+    """The dataset called ``name``: ``digits``, ``synthetic`` (sized by the other args) or
+    the path of a ``.npz`` file (see :func:`from_npz`)."""
     if name == "digits":
         return digits()
     if name == "synthetic":
         return synthetic(samples, features, classes, seed)
-    raise UserError(f"--dataset {name!r} is unknown: choose digits or synthetic")
+    if name.endswith(".npz"):
+        return from_npz(name)
+    raise UserError(f"--dataset {name!r} is unknown: choose digits, synthetic or a .npz file")
+
+
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def from_npz(path: str) -> Dataset:
+    """A user's classification set from a ``.npz`` with arrays ``x_train`` (float, (n, f)),
+    ``y_train`` (integer labels 0..classes-1, (n,)), ``x_test`` and ``y_test`` alike.
+
+    Loaded with ``allow_pickle=False``: a file cannot run code. Problems are one-line
+    :class:`UserError`s naming the key and the fix.
+    """
+    import os
+
+    if not os.path.isfile(path):
+        raise UserError(f"--dataset {path}: no such file: check the path")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            missing = [k for k in NPZ_KEYS if k not in npz.files]
+            if missing:
+                raise UserError(f"--dataset {path} lacks {', '.join(missing)}: save the arrays "
+                                f"as {', '.join(NPZ_KEYS)}")
+            arrays = {k: npz[k] for k in NPZ_KEYS}
+    except UserError:
+        raise
+    except (OSError, ValueError) as err:
+        raise UserError(f"--dataset {path} is not a readable .npz ({err}): re-save it with "
+                        "numpy.savez") from None
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.ndim != 2 or not np.issubdtype(x.dtype, np.floating):
+            raise UserError(f"--dataset {path}: x_{split} must be a 2-D float array, got "
+                            f"{x.dtype} of shape {x.shape}")
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise UserError(f"--dataset {path}: y_{split} must be a 1-D integer array of "
+                            f"labels, got {y.dtype} of shape {y.shape}")
+        if len(x) != len(y):
+            raise UserError(f"--dataset {path}: x_{split} has {len(x)} rows but y_{split} "
+                            f"{len(y)}: pass one label per row")
+        if len(x) == 0:
+            raise UserError(f"--dataset {path}: x_{split} is empty")
+        if not np.isfinite(x).all():
+            raise UserError(f"--dataset {path}: x_{split} contains NaN or inf")
+    if arrays["x_train"].shape[1] != arrays["x_test"].shape[1]:
+        raise UserError(f"--dataset {path}: x_train and x_test have different column counts")
+    classes = int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
+    if min(arrays["y_train"].min(), arrays["y_test"].min()) < 0 or classes < 2:
+        raise UserError(f"--dataset {path}: labels must be 0..classes-1 with >= 2 classes")
+    return Dataset(path, arrays["x_train"].astype(np.float32), arrays["y_train"].astype(np.int64),
+                   arrays["x_test"].astype(np.float32), arrays["y_test"].astype(np.int64),
+                   classes)
 
 
 def digits() -> Dataset:
