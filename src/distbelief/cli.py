@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="output folder (default runs/<time>)")
     t.add_argument("--slow-replica", dest="slow_replicas", type=_slow, action="append",
                    default=[], metavar="INDEX:FACTOR", help="make a replica slower (repeatable)")
+    t.add_argument("--max-rejected", type=int, default=d.max_rejected,
+                   help="abort once the shards rejected more pushes (NaN/inf, bad shape)")
     t.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float,
                    default=d.checkpoint_every_s,
                    help="seconds between shard checkpoints (0: only at the end and on Ctrl-C)")

@@ -56,6 +56,7 @@ class TrainConfig:
     num_cpus: int | None = None
     run_dir: str | None = None
     slow_replicas: dict[int, float] = field(default_factory=dict)
+    max_rejected: int = 1000  # abort once the shards have rejected more pushes than this
     checkpoint_every_s: float = 0.0  # 0: only at the end of the run (and on Ctrl-C)
     resume: str | None = None
     # Sandblaster L-BFGS
@@ -86,6 +87,7 @@ class TrainConfig:
         if not (isinstance(self.l2, (int, float)) and math.isfinite(self.l2) and self.l2 >= 0):
             raise UserError(f"{flag('l2')} must be a finite number >= 0 (got {self.l2!r})")
         _at_least("warmstart_steps", self.warmstart_steps, 0)
+        _at_least("max_rejected", self.max_rejected, 0)
         if self.warmstart_steps > self.steps:
             raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "
                             f"{flag('steps')} ({self.steps}): warm-start steps are part of "

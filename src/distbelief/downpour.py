@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 
 import numpy as np
 import ray
@@ -163,6 +164,17 @@ class DownpourSGD(Trainer):
         self._checkpoints = int(manifest["checkpoint"])
         self._resumed = steps
 
+    def _check_rejections(self, shards: list) -> None:
+        """Abort (leaving the last checkpoint as it is) once too many pushes were rejected."""
+        stats = ray.get([s.stats.remote() for s in shards])
+        rejected = sum(s["rejected_total"] for s in stats)
+        if rejected > self.cfg.max_rejected:
+            reasons = sum((Counter(s["rejected"]) for s in stats), Counter())
+            raise UserError(f"the shards rejected {rejected} pushes ({dict(reasons)}), more than "
+                            f"--max-rejected {self.cfg.max_rejected}: the model produces NaN/inf "
+                            "or misshaped gradients; lower --lr or fix the model (the last "
+                            "checkpoint is untouched)")
+
     def _drive(self, log: RunLog, began: float, shards: list, replicas: dict, start,
                evaluator: Evaluator, resumed: dict[int, int]) -> TrainResult:
         """The driver loop: resubmit each replica's next segment the moment it returns."""
@@ -198,6 +210,7 @@ class DownpourSGD(Trainer):
                     next_checkpoint = time.time() + cfg.checkpoint_every_s
                 if time.time() >= next_eval:
                     self._evaluate(log, client, evaluator, began)
+                    self._check_rejections(shards)
                     next_eval = time.time() + cfg.eval_every_s
                 wake = min(next_eval, next_checkpoint)
                 ready, _ = ray.wait(list(pending), num_returns=1,
