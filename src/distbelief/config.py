@@ -76,6 +76,9 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("model", self.model, MODELS)
         _at_least("partitions", self.partitions, 1)
+        if self.partitions > 1:
+            raise UserError("--partitions > 1 (model parallelism on Ray) is not wired up yet: "
+                            "pass --partitions 1")
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
                      "samples", "features"):
             _at_least(name, getattr(self, name), 1)
