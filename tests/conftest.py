@@ -1,7 +1,16 @@
+import os
+import tempfile
+
 import pytest
 import ray
 
 from distbelief import cluster
+
+# Every Ray process this test run starts (embedded sessions, `ray start` nodes, CLI
+# subprocesses) keeps its session under this folder, so the leftover check below sees
+# only this run's processes, not those of another test run on the same machine.
+RAY_ROOT = tempfile.mkdtemp(prefix="dbt-", dir="/tmp")
+os.environ["RAY_TMPDIR"] = RAY_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +30,8 @@ def pytest_sessionfinish(session, exitstatus):
     def leftovers():
         return [p.pid for p in psutil.process_iter(["cmdline"])
                 if any(("raylet" in part or "gcs_server" in part) and "ray/core" in part
-                       for part in (p.info["cmdline"] or []))]
+                       for part in (p.info["cmdline"] or []))
+                and any(RAY_ROOT in part for part in (p.info["cmdline"] or []))]
 
     deadline = time.time() + 15
     while leftovers() and time.time() < deadline:
