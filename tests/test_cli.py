@@ -27,6 +27,11 @@ BAD = [
     (["--warmstart-steps", "500", "--steps", "100"], "--warmstart-steps (500) exceeds --steps"),
     (["--slow-replica", "7:2", "--replicas", "2"], "--slow-replica 7:2.0 names replica 7"),
     (["--slow-replica", "x"], "is not INDEX:FACTOR"),
+    (["--model", "lc", "--partitions", "9"], "grid (9, 1) has more blocks than layer"),
+    (["--partitions", "4"], "cannot cut 3 layers into 4 stages"),
+    (["--partition-by", "diagonal"], "--partition-by 'diagonal' is unknown"),
+    (["--partitions", "2", "--algorithm", "sandblaster"], "works with --algorithm downpour"),
+    (["--model", "lc", "--channels", "0"], "--channels must be an integer >= 1"),
 ]
 
 

@@ -37,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--features", type=int, default=d.features, help="synthetic: columns")
     t.add_argument("--classes", type=int, default=d.classes, help="synthetic: classes")
     t.add_argument("--hidden", type=int, default=d.hidden, help="hidden units of the MLP")
+    t.add_argument("--model", default=d.model,
+                   help="mlp, or lc: two locally connected layers and a linear readout")
+    t.add_argument("--channels", type=int, default=d.channels,
+                   help="lc: channels of each locally connected layer")
+    t.add_argument("--partitions", type=int, default=d.partitions,
+                   help="split each replica's model over K partition actors")
+    t.add_argument("--partition-by", default=d.partition_by,
+                   help="space (within layers: blocks of units), layers (stages), auto")
     t.add_argument("--replicas", type=int, default=d.replicas, help="model replicas")
     t.add_argument("--shards", type=int, default=d.shards, help="parameter-server shards")
     t.add_argument("--n-fetch", type=int, default=d.n_fetch, help="fetch every N steps")
@@ -93,7 +101,10 @@ def train(args: argparse.Namespace) -> int:
         fields["run_dir"] = fields["resume"] or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg = TrainConfig(**fields).validate()
     ds = data.load(cfg.dataset, cfg.samples, cfg.features, cfg.classes, cfg.seed)
-    model = models.mlp(ds.features, cfg.hidden, ds.classes, cfg.seed)
+    if cfg.model == "lc":
+        model = models.lc(ds.features, cfg.channels, ds.classes, cfg.seed)
+    else:
+        model = models.mlp(ds.features, cfg.hidden, ds.classes, cfg.seed)
     if cfg.algorithm == "sandblaster":
         from distbelief.sandblaster.trainer import SandblasterLBFGS as Algorithm
     else:

@@ -12,6 +12,7 @@ ALGORITHMS = ("downpour", "sandblaster")
 OPTIMIZERS = ("sgd", "momentum", "adagrad")
 DATASETS = ("digits", "synthetic")
 MODELS = ("mlp", "lc")
+PARTITION_BY = ("auto", "space", "layers")
 
 
 def flag(name: str) -> str:
@@ -38,7 +39,9 @@ class TrainConfig:
     classes: int = 10
     hidden: int = 64
     model: str = "mlp"
-    partitions: int = 1
+    channels: int = 8  # --model lc: channels of each locally connected layer
+    partitions: int = 1  # model-parallel partitions per replica
+    partition_by: str = "auto"  # space (within layers), layers (stages), auto
     replicas: int = 2
     shards: int = 2
     n_fetch: int = 1
@@ -76,9 +79,11 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("model", self.model, MODELS)
         _at_least("partitions", self.partitions, 1)
-        if self.partitions > 1:
-            raise UserError("--partitions > 1 (model parallelism on Ray) is not wired up yet: "
-                            "pass --partitions 1")
+        _choice("partition_by", self.partition_by, PARTITION_BY)
+        _at_least("channels", self.channels, 1)
+        if self.partitions > 1 and self.algorithm != "downpour":
+            raise UserError(f"--partitions {self.partitions} works with --algorithm downpour "
+                            "only so far: pass --partitions 1 for sandblaster")
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
                      "samples", "features"):
             _at_least(name, getattr(self, name), 1)

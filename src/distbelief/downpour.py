@@ -123,8 +123,20 @@ class DownpourSGD(Trainer):
             return ModelParallelReplica
         return DownpourReplica
 
+    def fit(self, x_train, y_train, x_test=None, y_test=None, progress: bool = False
+            ) -> TrainResult:
+        if self.cfg.partitions > 1:  # plan before any actor starts: bad splits fail here
+            from distbelief.modelpar.partition import plan_partitions
+
+            self._partition_plan = plan_partitions(self.model, self.cfg.partitions,
+                                                   self.cfg.partition_by,
+                                                   tuple(np.shape(x_train)[1:]))
+        return super().fit(x_train, y_train, x_test, y_test, progress)
+
     def _replica_kwargs(self, shards: list) -> dict:
         """Extra keyword arguments for every replica (subclasses add their own actors)."""
+        if self.cfg.partitions > 1:
+            return {"partition_plan": self._partition_plan}
         return {}
 
     def _train(self, log: RunLog, x, y, test) -> TrainResult:
@@ -140,9 +152,15 @@ class DownpourSGD(Trainer):
         replica_actor = self._replica_actor()
 
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
-            return replica_actor.options(name=self.actor_name("replica", i),
-                                         scheduling_strategy="SPREAD").remote(
-                i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref, cfg, step, **extra)
+            for _ in range(200):  # a killed replica's name is freed asynchronously
+                try:
+                    return replica_actor.options(name=self.actor_name("replica", i),
+                                                 scheduling_strategy="SPREAD").remote(
+                        i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref, cfg, step,
+                        **extra)
+                except ray.exceptions.ActorAlreadyExistsError:
+                    time.sleep(0.05)
+            raise RuntimeError(f"replica {i}'s actor name is still taken after its restart")
 
         resumed = self._resumed
         replicas = {i: start(i, resumed.get(i, 0)) for i in range(cfg.replicas)}
@@ -223,8 +241,9 @@ class DownpourSGD(Trainer):
                         restarts[i] += 1
                         log.log("replica_failed", replica=i, step=done[i], restarts=restarts[i],
                                 error=type(err).__name__)
+                        ray.kill(replicas[i])  # a task error (a dead partition) leaves it up
                         if restarts[i] > MAX_RESTARTS:
-                            ray.kill(replicas.pop(i))
+                            replicas.pop(i)
                         else:
                             replicas[i] = start(i, done[i])
                             submit(i)

@@ -97,7 +97,7 @@ class Trainer:
                 self.cfg = cfg = dataclasses.replace(cfg, run_dir=cfg.resume)
             self.restored = latest_checkpoint(cfg.resume, self.plan, self._state_names())
             self._check_restored()
-        num_cpus = cfg.num_cpus or max(2, cfg.replicas + cfg.shards)
+        num_cpus = cfg.num_cpus or max(2, cfg.replicas * cfg.partitions + cfg.shards)
         with cluster.session(cfg.address, num_cpus=num_cpus,
                              object_store_memory=store_bytes(x_train, self.plan)):
             log = RunLog(cfg.run_dir)

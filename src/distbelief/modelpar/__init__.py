@@ -17,6 +17,7 @@ from distbelief.modelpar.partition import (
     SpatialPlan,
     Traffic,
     plan_layerwise,
+    plan_partitions,
     plan_spatial,
 )
 
@@ -34,5 +35,6 @@ __all__ = [
     "Traffic",
     "locally_connected",
     "plan_layerwise",
+    "plan_partitions",
     "plan_spatial",
 ]

@@ -161,6 +161,10 @@ class LayerwisePlan:
     def params(self, k: int) -> tuple[ParamSlice, ...]:
         return self.stages[k].params
 
+    def active(self, round: int) -> tuple[int, ...]:
+        """The partitions with work in ``round`` (forward and backward alike)."""
+        return (round,)
+
     def input_messages(self, x: torch.Tensor) -> list[Message]:
         return [Message("activation", DRIVER, 0, 0, None, x)]
 
@@ -331,6 +335,7 @@ class SpatialPlan:
     readout: Readout | None
     grid: tuple[int, ...]
     partitions: tuple[PartitionPlan, ...]
+    unflatten: tuple[int, ...] | None = None  # a leading nn.Unflatten(1, unflatten)
 
     @property
     def num_partitions(self) -> int:
@@ -343,8 +348,18 @@ class SpatialPlan:
     def params(self, k: int) -> tuple[ParamSlice, ...]:
         return self.partitions[k].params
 
+    def active(self, round: int) -> tuple[int, ...]:
+        """The partitions with work in ``round``: all of them, but only partition 0 in the
+        readout round."""
+        if round == len(self.layers):
+            return (0,)
+        return tuple(range(len(self.partitions)))
+
     def input_messages(self, x: torch.Tensor) -> list[Message]:
-        """The region of the input ``(N, C, *S)`` that each partition reads from the data."""
+        """The region of the input ``(N, C, *S)`` that each partition reads from the data
+        (flat rows ``(N, C * prod(S))`` first go through the model's leading Unflatten)."""
+        if self.unflatten is not None:
+            x = x.reshape(x.shape[0], *self.unflatten)
         whole = tuple((0, n) for n in x.shape[2:])
         return [Message("activation", DRIVER, p.index, 0, p.reads[0], x[_at(p.reads[0], whole)])
                 for p in self.partitions]
@@ -394,11 +409,15 @@ def _blocks(n: int, parts: int) -> list[tuple[int, int]]:
     return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
 
 
-def _parse_stack(model: nn.Sequential) -> tuple[list[LCLayer], Readout | None]:
-    """Read LC layers (each with its trailing elementwise modules) and an optional readout."""
+def _parse_stack(model: nn.Sequential
+                 ) -> tuple[list[LCLayer], Readout | None, tuple[int, ...] | None]:
+    """Read an optional leading ``nn.Unflatten(1, shape)``, LC layers (each with its trailing
+    elementwise modules) and an optional readout."""
     keys, modules = zip(*model.named_children()) if len(model) else ((), ())
     layers: list[LCLayer] = []
-    readout, i = None, 0
+    readout, i, unflatten = None, 0, None
+    if modules and isinstance(modules[0], nn.Unflatten) and modules[0].dim == 1:
+        unflatten, i = tuple(modules[0].unflattened_size), 1
     while i < len(modules):
         m = modules[i]
         if isinstance(m, LocallyConnectedNd):
@@ -433,7 +452,10 @@ def _parse_stack(model: nn.Sequential) -> tuple[list[LCLayer], Readout | None]:
                             f"{type(m).__name__}")
     if not layers:
         raise UserError("plan_spatial needs at least one LocallyConnected layer")
-    return layers, readout
+    if unflatten is not None and unflatten != (layers[0].in_channels, *layers[0].input_size):
+        raise UserError(f"the leading Unflatten gives {unflatten}, the first LC layer takes "
+                        f"{(layers[0].in_channels, *layers[0].input_size)}")
+    return layers, readout, unflatten
 
 
 def _spatial_params(layers: Sequence[LCLayer], readout: Readout | None, owned: Sequence[Box],
@@ -469,7 +491,7 @@ def plan_spatial(model: nn.Sequential, grid: int | Sequence[int]) -> SpatialPlan
     order and owns that cell of every layer, blocks as equal as integer division allows.
     Every axis of every layer must have at least as many positions as the grid has blocks.
     """
-    layers, readout = _parse_stack(model)
+    layers, readout, unflatten = _parse_stack(model)
     dims = len(layers[0].input_size)
     grid = (grid,) + (1,) * (dims - 1) if isinstance(grid, int) else tuple(grid)
     if len(grid) != dims or min(grid) < 1:
@@ -493,7 +515,31 @@ def plan_spatial(model: nn.Sequential, grid: int | Sequence[int]) -> SpatialPlan
         parts.append(PartitionPlan(k, tuple(owned[k]), reads,
                                    tuple(t for t in transfers if t.dst == k),
                                    tuple(t for t in transfers if t.src == k), tuple(params)))
-    return SpatialPlan(tuple(layers), readout, grid, tuple(parts))
+    return SpatialPlan(tuple(layers), readout, grid, tuple(parts), unflatten)
+
+
+def plan_partitions(model: nn.Module, partitions: int, how: str = "auto",
+                    input_shape: Sequence[int] | None = None) -> LayerwisePlan | SpatialPlan:
+    """The plan behind ``--partitions K --partition-by HOW``.
+
+    ``how`` is ``"space"`` (within every locally connected layer, :func:`plan_spatial`),
+    ``"layers"`` (consecutive stages, :func:`plan_layerwise`, which needs one example's
+    ``input_shape``) or ``"auto"``: space for a stack of locally connected layers, layers
+    otherwise.
+    """
+    if how not in ("auto", "space", "layers"):
+        raise UserError(f"--partition-by {how!r} is unknown: choose auto, space or layers")
+    if not isinstance(model, nn.Sequential):
+        raise UserError(f"--partitions {partitions} splits an nn.Sequential; the model is a "
+                        f"{type(model).__name__}: wrap its layers in nn.Sequential")
+    if how == "auto":
+        lc = any(isinstance(m, LocallyConnectedNd) for m in model)
+        how = "space" if lc else "layers"
+    if how == "space":
+        return plan_spatial(model, partitions)
+    if input_shape is None:
+        raise UserError("layer-wise partitioning needs the shape of one example")
+    return plan_layerwise(model, partitions, input_shape)
 
 
 # ------------------------------------------------------------------------------------------

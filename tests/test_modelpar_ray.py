@@ -1,0 +1,161 @@
+"""Model parallelism on Ray: partition actors against the whole model, the PS, and Downpour."""
+
+import copy
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from torch import nn
+
+from distbelief import DownpourSGD, data, models
+from distbelief.modelpar.layers import LocallyConnected1d, LocallyConnected2d
+from distbelief.modelpar.partition import plan_layerwise, plan_partitions, plan_spatial
+from distbelief.modelpar.worker import PartitionGroup, flat_runs, owned_ranges
+from distbelief.ps.plan import ShardPlan
+from distbelief.ps.shard import ParameterShard
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def lc2d(readout=True):
+    torch.manual_seed(0)
+    layers = [nn.Unflatten(1, (2, 9, 8)),
+              LocallyConnected2d(2, 3, (9, 8), 3, padding=1), nn.ReLU(),
+              LocallyConnected2d(3, 2, (9, 8), (3, 2), stride=(2, 1)), nn.Tanh()]
+    if readout:
+        layers += [nn.Flatten(), nn.Linear(2 * 4 * 7, 5)]
+    return nn.Sequential(*layers).double(), torch.randn(6, 2 * 9 * 8, dtype=torch.float64)
+
+
+def lc1d():
+    torch.manual_seed(0)
+    model = nn.Sequential(LocallyConnected1d(2, 3, 24, 3, padding=1), nn.Tanh(),
+                          LocallyConnected1d(3, 4, 24, 4, stride=2, padding=1), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(4 * 12, 5))
+    return model.double(), torch.randn(6, 2, 24, dtype=torch.float64)
+
+
+def mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4))
+    return model.double(), torch.randn(6, 12, dtype=torch.float64)
+
+
+def loss_of(out):
+    return (out ** 2).sum() / 2 + out.sin().sum()
+
+
+CASES = [("spatial-2d", lc2d, lambda m, x, k: plan_spatial(m, k)),
+         ("spatial-2d-no-readout", lambda: lc2d(readout=False), lambda m, x, k: plan_spatial(m, k)),
+         ("spatial-1d", lc1d, lambda m, x, k: plan_spatial(m, k)),
+         ("layerwise-lc", lc1d, lambda m, x, k: plan_layerwise(m, k, x.shape[1:])),
+         ("layerwise-mlp", mlp, lambda m, x, k: plan_layerwise(m, k, x.shape[1:]))]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("name,build,planner", CASES, ids=[c[0] for c in CASES])
+def test_partition_actors_give_the_whole_models_loss_and_gradients(name, build, planner, k):
+    model, x = build()
+    reference = copy.deepcopy(model)
+    expected_loss = loss_of(reference(x))
+    expected_loss.backward()
+    group = PartitionGroup(model, planner(model, x, k))
+    try:
+        loss = group.step(x, loss_of)
+        params, grads = group.gather()
+    finally:
+        group.kill()
+    assert loss == pytest.approx(float(expected_loss), abs=1e-5)
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(params[n], p.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=1e-5)
+
+
+def test_flat_runs_and_owned_ranges_cover_each_slice_in_order():
+    assert flat_runs(np.array([3, 4, 5, 9, 10, 12])) == [(3, 6), (9, 11), (12, 13)]
+    assert flat_runs(np.zeros(0, np.int64)) == []
+    model, _ = lc2d()
+    shard_plan = ShardPlan.build([(n, tuple(p.shape)) for n, p in model.named_parameters()], 3)
+    plan = plan_spatial(model, 2)
+    covered = []
+    for k in range(2):
+        _, ranges = owned_ranges(plan.params(k), shard_plan)
+        covered += [i for lo, hi in ranges for i in range(lo, hi)]
+    assert sorted(covered) == list(range(shard_plan.numel))  # every element, exactly once
+
+
+def test_each_partition_fetches_and_pushes_exactly_its_own_parameters():
+    """One SGD step (lr 1) through partition actors equals the whole model's SGD step."""
+    model, x = lc2d()
+    model = model.float()
+    x = x.float()
+    names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    shard_plan = ShardPlan.build(names, 3)
+    flat = shard_plan.flatten({n: p.detach().numpy() for n, p in model.named_parameters()})
+    shards = [ParameterShard.remote(i, part, "sgd", 1.0, 0.0)
+              for i, part in enumerate(shard_plan.split_flat(flat))]
+    reference = copy.deepcopy(model)
+    loss_of(reference(x)).backward()
+    group = PartitionGroup(copy.deepcopy(model), plan_spatial(model, 2), shard_plan, shards)
+    try:
+        ray.get(group.fetch())
+        group.step(x, loss_of)
+        group.end_step(push=True, local_lr=None)
+        group.finish()
+        parts = [ray.get(s.fetch.remote())[1] for s in shards]
+    finally:
+        group.kill()
+        for s in shards:
+            ray.kill(s)
+    after = shard_plan.assemble(parts)
+    for n, p in reference.named_parameters():
+        np.testing.assert_allclose(after[n], (p - p.grad).detach().numpy(), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return data.digits()
+
+
+def test_downpour_with_model_parallel_replicas_trains_lc_on_digits(digits):
+    """The issue's acceptance run: --model lc --replicas 2 --partitions 2 --shards 2."""
+    model = models.lc(digits.features, 8, digits.classes, 0)
+    result = DownpourSGD(model, replicas=2, partitions=2, shards=2, steps=300).fit(
+        digits.x_train, digits.y_train, digits.x_test, digits.y_test)
+    assert result.test_accuracy >= 0.9
+    steps = [e for e in result.events if e["event"] == "step"]
+    plan = plan_partitions(model, 2)
+    assert {e["boundary_bytes"] for e in steps} == {plan.planned_bytes(32, 4)}
+    assert steps[0]["naive_bytes"] == plan.naive_bytes(32, 4) > steps[0]["boundary_bytes"]
+    assert all(c["pushes"] == 300 and c["rejected"] == 0
+               for c in result.replica_counters.values())
+
+
+def test_a_killed_partition_restarts_its_replica_and_the_run_finishes(digits):
+    trainer = DownpourSGD(models.lc(digits.features, 4, digits.classes, 0), replicas=2,
+                          partitions=2, shards=2, steps=200, slow_replicas={1: 3.0})
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(r=trainer.fit(
+        digits.x_train, digits.y_train, digits.x_test, digits.y_test)))
+    thread.start()
+    replica = None
+    while replica is None and thread.is_alive():
+        try:
+            replica = ray.get_actor(trainer.actor_name("replica", 1))
+        except ValueError:
+            time.sleep(0.05)
+    victim = ray.get(replica.partitions.remote())[1]
+    time.sleep(1.0)
+    ray.kill(victim)
+    thread.join(timeout=240)
+    result = outcome["r"]
+    failures = [e for e in result.events if e["event"] == "replica_failed"]
+    assert [f["replica"] for f in failures] == [1]
+    last = {r: max(e["step"] for e in result.events
+                   if e["event"] == "step" and e["replica"] == r) for r in (0, 1)}
+    assert last == {0: 199, 1: 199}
+    assert result.test_accuracy >= 0.85
