@@ -94,7 +94,8 @@ class PartitionWorker:
         if shards is not None:
             self.slices, self.ranges = owned_ranges(self.slices, shard_plan)
             self.client = PSClient(shards, shard_plan, replica=replica)
-        self.accrued = np.zeros(sum(p.numel() for p in self.params.values()), np.float32)
+        owned = sum(p.numel() for p in self.params.values()) if shards is not None else 0
+        self.accrued = np.zeros(owned, np.float32)  # gradient summed since the last push
         self.since_push = 0
 
     def where(self) -> str:
@@ -138,14 +139,15 @@ class PartitionWorker:
         """Accrue this step's gradients; push them if ``push``; apply them locally with plain
         SGD at ``local_lr`` if given; clear them for the next step."""
         grads = self.part.gradients()
-        offset = 0
-        for s in self.slices:
-            g = grads[s.name].detach().reshape(-1).numpy()
-            self.accrued[offset: offset + g.size] += g
-            offset += g.size
-        self.since_push += 1
-        if push:
-            self._push()
+        if self.client is not None:  # without shards (benchmarks, tests) nothing is pushed
+            offset = 0
+            for s in self.slices:
+                g = grads[s.name].detach().reshape(-1).numpy()
+                self.accrued[offset: offset + g.size] += g
+                offset += g.size
+            self.since_push += 1
+            if push:
+                self._push()
         if local_lr is not None:
             with torch.no_grad():
                 for name, p in self.params.items():
@@ -153,8 +155,7 @@ class PartitionWorker:
         self.part.zero_grad()
 
     def _push(self) -> None:
-        if self.client is not None:
-            self.client.push_ranges(self.ranges, self.accrued)  # Ray copies it at submission
+        self.client.push_ranges(self.ranges, self.accrued)  # Ray copies it at submission
         self.accrued[:] = 0.0
         self.since_push = 0
 

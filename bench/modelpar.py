@@ -1,0 +1,125 @@
+"""Model parallelism: step throughput of one locally connected model on 1 vs K partitions.
+
+Run: .venv/bin/python bench/modelpar.py [--partitions 2] [--steps 12] [--size 32]
+
+One model (two 5x5 locally connected layers of 16 channels over a 32x32 image, untied
+weights, and a linear readout: about 8 M parameters, so compute dominates a step) runs
+forward + backward + a local SGD update on batches of 32, in the same Ray session:
+- 1 partition actor (the whole model in one actor, one torch thread, like a replica), and
+- K partition actors of the spatial plan (each owns a block of rows of every layer and
+  exchanges only the halos its windows need, one torch thread each).
+For reference it also times the unpartitioned model in this process with 1 and with 2 torch
+threads. Prints steps/s of each, the speed-up K vs 1 partition, and the bytes per step that
+crossed partition boundaries against a naive exchange of whole activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import ray
+import torch
+from torch import nn
+
+from distbelief import cluster
+from distbelief.modelpar.layers import LocallyConnected2d
+from distbelief.modelpar.partition import plan_spatial
+from distbelief.modelpar.worker import PartitionGroup
+
+LR = 0.01
+
+
+def build(size: int, channels: int, kernel: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    pad = kernel // 2
+    return nn.Sequential(
+        LocallyConnected2d(4, channels, size, kernel, padding=pad), nn.ReLU(),
+        LocallyConnected2d(channels, channels, size, kernel, padding=pad), nn.ReLU(),
+        nn.Flatten(), nn.Linear(channels * size * size, 10))
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+def in_process(model: nn.Module, x, y, steps: int, threads: int) -> float:
+    """Steps per second of the whole model in this process with ``threads`` torch threads."""
+    torch.set_num_threads(threads)
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step():
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    step()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps / (time.perf_counter() - began)
+
+
+def on_actors(model: nn.Module, k: int, x, y, steps: int) -> tuple[float, float, int]:
+    """Steps/s of the model split over ``k`` partition actors; bytes crossed per step."""
+    plan = plan_spatial(model, k)
+    group = PartitionGroup(model, plan)
+    try:
+        for _ in range(2):  # warm up: actor start, first allocations
+            group.step(x, lambda out: loss_fn(out, y))
+            group.end_step(False, LR)
+        before = sum(c["bytes_sent"] for c in group.counters())
+        began = time.perf_counter()
+        for _ in range(steps):
+            group.step(x, lambda out: loss_fn(out, y))
+            group.end_step(False, LR)
+        after = sum(c["bytes_sent"] for c in group.counters())  # waits for the last step
+        rate = steps / (time.perf_counter() - began)
+    finally:
+        group.kill()
+    return rate, (after - before) / steps, plan.naive_bytes(x.shape[0], 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--partitions", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--size", type=int, default=32, help="image side")
+    parser.add_argument("--channels", type=int, default=16)
+    parser.add_argument("--kernel", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-cpus", type=int, default=2)
+    args = parser.parse_args()
+
+    model = build(args.size, args.channels, args.kernel)
+    params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch_size, 4, args.size, args.size, generator=gen)
+    y = torch.randint(0, 10, (args.batch_size,), generator=gen)
+    print(f"model: 2 LC layers {args.channels} ch, {args.kernel}x{args.kernel} windows over "
+          f"{args.size}x{args.size}, {params / 1e6:.1f} M parameters; batch {args.batch_size}, "
+          f"{args.steps} timed steps each")
+    cluster.connect(num_cpus=args.num_cpus)
+    try:
+        one, _, _ = on_actors(model, 1, x, y, args.steps)
+        many, crossed, naive = on_actors(model, args.partitions, x, y, args.steps)
+        again, _, _ = on_actors(model, 1, x, y, args.steps)  # 1-partition twice: drift check
+    finally:
+        ray.shutdown()
+    single = in_process(model, x, y, args.steps, 1)
+    double = in_process(model, x, y, args.steps, 2)
+    base = (one + again) / 2
+    print(f"in process, 1 torch thread   : {single:6.2f} steps/s")
+    print(f"in process, 2 torch threads  : {double:6.2f} steps/s")
+    print(f"1 partition actor            : {one:6.2f} / {again:6.2f} steps/s (before / after)")
+    print(f"{args.partitions} partition actors           : {many:6.2f} steps/s")
+    print(f"speed-up {args.partitions} vs 1 partition      : {many / base:.2f}x")
+    print(f"speed-up vs in-process 2 thr : {many / double:.2f}x")
+    print(f"boundary bytes per step      : {crossed / 1e6:.2f} MB vs naive whole-activation "
+          f"exchange {naive / 1e6:.2f} MB: ratio {crossed / naive:.3f}")
+
+
+if __name__ == "__main__":
+    main()
