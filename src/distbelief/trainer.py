@@ -88,8 +88,8 @@ class Trainer:
         Arrays may be NumPy or torch; ``x`` is float32 ``(n, ...)``, ``y`` has ``n`` rows.
         """
         cfg = self.cfg
-        x_train, y_train = as_arrays(x_train, y_train, "training")
-        test = as_arrays(x_test, y_test, "test") if x_test is not None else None
+        x_train, y_train = self._as_arrays(x_train, y_train, "training")
+        test = self._as_arrays(x_test, y_test, "test") if x_test is not None else None
         self._show_progress = progress
         self.restored = None
         if cfg.resume:
@@ -113,6 +113,10 @@ class Trainer:
 
     def _train(self, log: RunLog, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
         raise NotImplementedError
+
+    def _as_arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """Validated contiguous NumPy inputs (float32 features); subclasses take other kinds."""
+        return as_arrays(x, y, what)
 
     def _check_restored(self) -> None:
         """Raise :class:`UserError` if ``self.restored`` cannot continue this run."""
