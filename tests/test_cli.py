@@ -30,7 +30,6 @@ BAD = [
     (["--model", "lc", "--partitions", "9"], "grid (9, 1) has more blocks than layer"),
     (["--partitions", "4"], "cannot cut 3 layers into 4 stages"),
     (["--partition-by", "diagonal"], "--partition-by 'diagonal' is unknown"),
-    (["--partitions", "2", "--algorithm", "sandblaster"], "works with --algorithm downpour"),
     (["--model", "lc", "--channels", "0"], "--channels must be an integer >= 1"),
 ]
 

@@ -72,3 +72,16 @@ def test_ranged_push_out_of_range_or_misshaped_is_rejected(core):
     assert not core.push_ranges([(0, 2)], np.ones(3, np.float32), 0)
     assert core.stats()["rejected"] == {"range": 1, "shape": 1}
     assert core.version == 0 and np.all(core.params == 0)
+
+
+def test_staged_ranges_add_up_under_one_tag_and_bad_parts_are_refused(core):
+    assert core.stage_ranges("t", [(0, 1), (3, 4)], np.array([1.0, 2.0], np.float32))
+    assert core.stage_ranges("t", [(1, 3)], np.array([3.0, 4.0], np.float32))
+    assert core.stage_ranges("t", [(0, 1)], np.array([0.5], np.float32))
+    assert not core.stage_ranges("t", [(2, 9)], np.ones(7, np.float32))
+    assert not core.stage_ranges("t", [(0, 2)], np.array([1.0, np.nan], np.float32))
+    core.vectors["g"] = np.zeros(4, np.float32)
+    assert core.commit("t", "g")
+    np.testing.assert_array_equal(core.vector("g"), [1.5, 3.0, 4.0, 2.0])
+    assert core.stats()["rejected"] == {"range": 1, "nonfinite": 1}
+    np.testing.assert_array_equal(core.fetch_vector_ranges("g", [(1, 2), (3, 4)]), [3.0, 2.0])

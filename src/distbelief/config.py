@@ -81,9 +81,6 @@ class TrainConfig:
         _at_least("partitions", self.partitions, 1)
         _choice("partition_by", self.partition_by, PARTITION_BY)
         _at_least("channels", self.channels, 1)
-        if self.partitions > 1 and self.algorithm != "downpour":
-            raise UserError(f"--partitions {self.partitions} works with --algorithm downpour "
-                            "only so far: pass --partitions 1 for sandblaster")
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
                      "samples", "features"):
             _at_least(name, getattr(self, name), 1)

@@ -123,16 +123,6 @@ class DownpourSGD(Trainer):
             return ModelParallelReplica
         return DownpourReplica
 
-    def fit(self, x_train, y_train, x_test=None, y_test=None, progress: bool = False
-            ) -> TrainResult:
-        if self.cfg.partitions > 1:  # plan before any actor starts: bad splits fail here
-            from distbelief.modelpar.partition import plan_partitions
-
-            self._partition_plan = plan_partitions(self.model, self.cfg.partitions,
-                                                   self.cfg.partition_by,
-                                                   tuple(np.shape(x_train)[1:]))
-        return super().fit(x_train, y_train, x_test, y_test, progress)
-
     def _replica_kwargs(self, shards: list) -> dict:
         """Extra keyword arguments for every replica (subclasses add their own actors)."""
         if self.cfg.partitions > 1:

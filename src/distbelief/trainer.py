@@ -91,6 +91,11 @@ class Trainer:
         x_train, y_train = self._as_arrays(x_train, y_train, "training")
         test = self._as_arrays(x_test, y_test, "test") if x_test is not None else None
         self._show_progress = progress
+        if cfg.partitions > 1:  # plan before any actor starts, so bad splits fail here
+            from distbelief.modelpar.partition import plan_partitions
+
+            self._partition_plan = plan_partitions(self.model, cfg.partitions,
+                                                   cfg.partition_by, x_train.shape[1:])
         self.restored = None
         if cfg.resume:
             if cfg.run_dir is None:

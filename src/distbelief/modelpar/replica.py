@@ -107,3 +107,81 @@ class ModelParallelReplica:
                 "rejected": sum(c["rejected"] for c in parts),
                 "boundary_bytes": sum(c["bytes_sent"] for c in parts),
                 "boundary_messages": sum(c["messages_sent"] for c in parts)}
+
+
+@ray.remote
+class ModelParallelSandblasterReplica:
+    """A Sandblaster replica split over partition actors: a drop-in for
+    :class:`~distbelief.sandblaster.replica.SandblasterReplica`.
+
+    Each partition fetches its own part of the batch's point, holds its own part of every
+    portion's gradient until the coordinator's verdict, and stages its own part of the
+    accepted sum under the coordinator's tag (the shards add the parts up); the coordinator
+    commits the tag only once every partition has staged, so a portion still counts once.
+    """
+
+    def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
+                 shards: list, x: np.ndarray, y: np.ndarray, slow: float = 1.0,
+                 partition_plan: Plan | None = None) -> None:
+        torch.set_num_threads(1)
+        self.index, self.loss_fn, self.slow = index, loss_fn, slow
+        self.group = PartitionGroup(model, partition_plan, plan, shards, replica=index)
+        self.x, self.y = torch.from_numpy(np.asarray(x)), torch.from_numpy(np.asarray(y))
+        self.batch: int | None = None
+        self.pending: set[int] = set()  # computed portions awaiting a verdict
+        self.held: list[int] = []  # accepted portions not yet staged
+
+    def where(self) -> str:
+        return cluster.node_id()
+
+    def partitions(self) -> list:
+        return list(self.group.workers)
+
+    def compute(self, batch: int, vector: str, portion: int, lo: int, hi: int,
+                verdicts: list[tuple[int, bool]]) -> dict:
+        """Loss sum over rows ``lo:hi`` at ``vector``; the gradient stays on the partitions."""
+        entered = time.perf_counter()
+        self._settle(verdicts)
+        fetch_s = 0.0
+        if batch != self.batch:
+            began = time.perf_counter()
+            ray.get([w.fetch_vector.remote(vector) for w in self.group.workers])
+            self.batch, self.pending, self.held = batch, set(), []
+            fetch_s = time.perf_counter() - began
+        began = time.perf_counter()
+        rows = hi - lo
+        y = self.y[lo:hi]
+        loss = self.group.step(self.x[lo:hi], lambda out: self.loss_fn(out, y) * rows)
+        ray.get([w.hold.remote(portion) for w in self.group.workers])
+        self.pending.add(portion)
+        compute_s = time.perf_counter() - began
+        if self.slow > 1.0:
+            time.sleep((self.slow - 1.0) * compute_s)
+        return {"portion": portion, "loss_sum": loss, "rows": rows, "compute_s": compute_s,
+                "fetch_s": fetch_s, "busy_s": time.perf_counter() - entered - fetch_s}
+
+    def push(self, batch: int, tag: str, verdicts: list[tuple[int, bool]]) -> list[int]:
+        """Every partition stages its part of the accepted portions' sum under ``tag``."""
+        self._settle(verdicts)
+        if batch != self.batch or not self.held:
+            return []
+        if not all(ray.get([w.stage.remote(tag) for w in self.group.workers])):
+            raise RuntimeError(f"replica {self.index}: a shard rejected staged gradient {tag} "
+                               "(non-finite loss or gradient?)")
+        held, self.held = self.held, []
+        return held
+
+    def discard(self) -> None:
+        self.pending, self.held = set(), []
+        ray.get([w.discard.remote() for w in self.group.workers])
+
+    def _settle(self, verdicts: list[tuple[int, bool]]) -> None:
+        mine = [(p, keep) for p, keep in verdicts if p in self.pending]
+        if not mine:
+            return
+        for w in self.group.workers:
+            w.settle.remote(mine)  # ordered before the workers' next calls
+        for p, keep in mine:
+            self.pending.discard(p)
+            if keep:
+                self.held.append(p)

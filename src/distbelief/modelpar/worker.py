@@ -97,6 +97,7 @@ class PartitionWorker:
         owned = sum(p.numel() for p in self.params.values()) if shards is not None else 0
         self.accrued = np.zeros(owned, np.float32)  # gradient summed since the last push
         self.since_push = 0
+        self.held = {}
 
     def where(self) -> str:
         from distbelief import cluster
@@ -126,25 +127,32 @@ class PartitionWorker:
 
     def fetch(self) -> list[int]:
         """Overwrite this partition's parameters with the shards' values; returns versions."""
-        values = self.client.fetch_ranges(self.ranges)
+        self._load(self.client.fetch_ranges(self.ranges))
+        return list(self.client.versions)
+
+    def _load(self, values: np.ndarray) -> None:
+        """Set the owned slices from their concatenated values (flat-vector order)."""
         fresh, offset = {}, 0
         for s in self.slices:
             n = int(np.prod(s.part_shape))
             fresh[s.name] = torch.from_numpy(values[offset: offset + n].reshape(s.part_shape))
             offset += n
         self.part.load(fresh)
-        return list(self.client.versions)
+
+    def _add_grads(self, into: np.ndarray) -> None:
+        """Add the owned slices' gradients, concatenated in flat-vector order, to ``into``."""
+        grads, offset = self.part.gradients(), 0
+        for s in self.slices:
+            g = grads[s.name].detach().reshape(-1).numpy()
+            into[offset: offset + g.size] += g
+            offset += g.size
 
     def end_step(self, push: bool, local_lr: float | None) -> None:
         """Accrue this step's gradients; push them if ``push``; apply them locally with plain
         SGD at ``local_lr`` if given; clear them for the next step."""
         grads = self.part.gradients()
         if self.client is not None:  # without shards (benchmarks, tests) nothing is pushed
-            offset = 0
-            for s in self.slices:
-                g = grads[s.name].detach().reshape(-1).numpy()
-                self.accrued[offset: offset + g.size] += g
-                offset += g.size
+            self._add_grads(self.accrued)
             self.since_push += 1
             if push:
                 self._push()
@@ -158,6 +166,39 @@ class PartitionWorker:
         self.client.push_ranges(self.ranges, self.accrued)  # Ray copies it at submission
         self.accrued[:] = 0.0
         self.since_push = 0
+
+    # Sandblaster: per batch, fetch the point once; hold each portion's gradient until the
+    # coordinator's verdict; stage the sum of the accepted ones under a tag on the shards.
+
+    def fetch_vector(self, vector: str) -> None:
+        """Load this partition's part of Sandblaster vector ``vector``; start a new batch."""
+        self._load(self.client.fetch_vector_ranges(vector, self.ranges))
+        self.held: dict[int, np.ndarray] = {}
+        self.accrued[:] = 0.0
+
+    def hold(self, portion: int) -> None:
+        """Keep the gradient just computed as ``portion``'s, until its verdict."""
+        grad = np.zeros_like(self.accrued)
+        self._add_grads(grad)
+        self.held[portion] = grad
+        self.part.zero_grad()
+
+    def settle(self, verdicts: list[tuple[int, bool]]) -> None:
+        """Add the accepted portions' gradients to the batch sum; forget the others."""
+        for portion, keep in verdicts:
+            grad = self.held.pop(portion, None)
+            if grad is not None and keep:
+                self.accrued += grad
+
+    def stage(self, tag: str) -> bool:
+        """Add the accepted sum into what the shards stage under ``tag``; empty it."""
+        ok = self.client.stage_ranges(tag, self.ranges, self.accrued)
+        self.accrued[:] = 0.0
+        return ok
+
+    def discard(self) -> None:
+        self.held = {}
+        self.accrued[:] = 0.0
 
     def finish(self) -> dict:
         """Push what is still accrued and wait until the shards applied it."""

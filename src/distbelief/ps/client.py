@@ -88,6 +88,26 @@ class PSClient:
         self._in_flight = refs
         self.pushes += 1
 
+    def fetch_vector_ranges(self, vector: str, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """The concatenated values of global flat ``ranges`` of a Sandblaster vector."""
+        local = self.local_ranges(ranges)
+        asked = [s for s, r in enumerate(local) if r]
+        parts = ray.get([self.shards[s].fetch_vector_ranges.remote(vector, local[s])
+                         for s in asked])
+        return np.concatenate([np.zeros(0, np.float32), *parts])
+
+    def stage_ranges(self, tag: str, ranges: list[tuple[int, int]], values: np.ndarray) -> bool:
+        """Add the gradient of global flat ``ranges`` into what each owning shard has staged
+        under ``tag``; True if every shard accepted its part."""
+        local, offset, refs = self.local_ranges(ranges), 0, []
+        for s, r in enumerate(local):
+            size = sum(hi - lo for lo, hi in r)
+            if size:
+                refs.append(self.shards[s].stage_ranges.remote(tag, r,
+                                                               values[offset: offset + size]))
+            offset += size
+        return all(ray.get(refs))
+
     def wait(self) -> None:
         """Block until the last push is applied (or rejected) by every shard."""
         if self._in_flight:

@@ -154,6 +154,30 @@ class ShardCore:
     # Ranged (sparse) access: a model partition or an embedding lookup touches only some
     # elements. ``ranges`` are half-open (start, stop) pairs in this shard's coordinates.
 
+    def fetch_vector_ranges(self, name: str, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """The concatenated values of ``ranges`` of vector ``name`` (a copy)."""
+        return self.vector(name)[self._index(ranges)]
+
+    def stage_ranges(self, tag: str, ranges: list[tuple[int, int]], values: np.ndarray) -> bool:
+        """Add ``values`` (the concatenated gradient of ``ranges``) into what is staged under
+        ``tag``, zeros elsewhere: the partitions of a model-parallel replica stage their own
+        parameters' gradients one by one under one tag. False (and counted) if malformed."""
+        try:
+            index = self._index(ranges)
+        except ValueError:
+            self.rejected["range"] += 1
+            return False
+        reason = self.check_shape(values, (index.size,))
+        if reason is not None:
+            self.rejected[reason] += 1
+            return False
+        staged = self.staged.get(tag)
+        if staged is None or not staged.flags.writeable:
+            staged = np.zeros_like(self.params) if staged is None else staged.copy()
+            self.staged[tag] = staged
+        staged[index] += values
+        return True
+
     def fetch_ranges(self, ranges: list[tuple[int, int]]) -> tuple[int, np.ndarray]:
         """Current version and the concatenated values of ``ranges`` (a copy)."""
         self.fetches += 1

@@ -36,11 +36,18 @@ class SandblasterLBFGS(Trainer):
         shards = self._start_shards(plan.split_flat(evaluator.flat.flat_np))
         x_ref, y_ref = ray.put(x), ray.put(y)
 
+        replica_actor, extra = SandblasterReplica, {}
+        if cfg.partitions > 1:
+            from distbelief.modelpar.replica import ModelParallelSandblasterReplica
+
+            replica_actor = ModelParallelSandblasterReplica
+            extra = {"partition_plan": self._partition_plan}
+
         def start(i: int):
-            return SandblasterReplica.options(name=self.actor_name("replica", i),
-                                              scheduling_strategy="SPREAD").remote(
+            return replica_actor.options(name=self.actor_name("replica", i),
+                                         scheduling_strategy="SPREAD").remote(
                 i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref,
-                float(cfg.slow_replicas.get(i, 1.0)))
+                float(cfg.slow_replicas.get(i, 1.0)), **extra)
 
         space = ShardVectorSpace(shards)
         portions = cfg.portions or PORTIONS_PER_REPLICA * cfg.replicas
