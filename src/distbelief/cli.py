@@ -9,6 +9,7 @@ from pathlib import Path
 
 from distbelief.config import ALGORITHMS, DATASETS, OPTIMIZERS, TrainConfig
 from distbelief.errors import UserError
+from distbelief.sparse.ctr import CTR_DEFAULTS, is_ctr_file
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (Downpour SGD by default)")
     t.add_argument("--algorithm", default=d.algorithm, help=f"one of {', '.join(ALGORITHMS)}")
     t.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)}")
-    t.add_argument("--samples", type=int, default=d.samples, help="synthetic: rows")
+    t.add_argument("--samples", type=int, default=None,
+                   help=f"synthetic, ctr: examples (default {d.samples}; ctr "
+                        f"{CTR_DEFAULTS['samples']})")
+    t.add_argument("--rows", type=int, default=d.rows,
+                   help="ctr: rows of each embedding table (may far exceed memory)")
     t.add_argument("--features", type=int, default=d.features, help="synthetic: columns")
     t.add_argument("--classes", type=int, default=d.classes, help="synthetic: classes")
     t.add_argument("--hidden", type=int, default=d.hidden, help="hidden units of the MLP")
@@ -52,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
     t.add_argument("--lr", type=float, default=d.lr, help="server-side learning rate")
     t.add_argument("--momentum", type=float, default=d.momentum, help="for --optimizer momentum")
-    t.add_argument("--batch-size", type=int, default=d.batch_size, help="mini-batch rows")
-    t.add_argument("--steps", type=int, default=d.steps, help="mini-batches per replica")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help=f"mini-batch rows (default {d.batch_size}; ctr "
+                        f"{CTR_DEFAULTS['batch_size']})")
+    t.add_argument("--steps", type=int, default=None,
+                   help=f"mini-batches per replica (default {d.steps}; ctr "
+                        f"{CTR_DEFAULTS['steps']})")
     t.add_argument("--warmstart-steps", type=int, default=d.warmstart_steps,
                    help="steps replica 0 runs alone before the others start")
     t.add_argument("--no-local-update", dest="local_update", action="store_false",
@@ -99,7 +108,15 @@ def train(args: argparse.Namespace) -> int:
     fields["address"] = fields["address"] or cluster.default_address()
     if fields["run_dir"] is None:
         fields["run_dir"] = fields["resume"] or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    sparse = fields["dataset"] == "ctr" or is_ctr_file(fields["dataset"])
+    for name, value in (CTR_DEFAULTS if sparse else {}).items():
+        fields[name] = value if fields[name] is None else fields[name]
+    fields = {k: v for k, v in fields.items() if v is not None or k not in CTR_DEFAULTS}
     cfg = TrainConfig(**fields).validate()
+    if sparse:  # click data: row-sparse embedding tables, a wide-and-deep model, AUC
+        from distbelief.sparse.trainer import train_ctr
+
+        return train_ctr(cfg, progress=args.progress)
     ds = data.load(cfg.dataset, cfg.samples, cfg.features, cfg.classes, cfg.seed)
     if cfg.model == "lc":
         model = models.lc(ds.features, cfg.channels, ds.classes, cfg.seed)

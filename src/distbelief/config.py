@@ -10,7 +10,7 @@ from distbelief.errors import UserError
 
 ALGORITHMS = ("downpour", "sandblaster")
 OPTIMIZERS = ("sgd", "momentum", "adagrad")
-DATASETS = ("digits", "synthetic")
+DATASETS = ("digits", "synthetic", "ctr")
 MODELS = ("mlp", "lc")
 PARTITION_BY = ("auto", "space", "layers")
 
@@ -37,6 +37,7 @@ class TrainConfig:
     samples: int = 10000
     features: int = 32
     classes: int = 10
+    rows: int = 1_000_000  # --dataset ctr: rows of each sparse embedding table
     hidden: int = 64
     model: str = "mlp"
     channels: int = 8  # --model lc: channels of each locally connected layer
@@ -81,8 +82,11 @@ class TrainConfig:
         _at_least("partitions", self.partitions, 1)
         _choice("partition_by", self.partition_by, PARTITION_BY)
         _at_least("channels", self.channels, 1)
+        if self.dataset == "ctr" and self.algorithm != "downpour":
+            raise UserError(f"--dataset ctr (sparse embedding tables) trains with --algorithm "
+                            f"downpour only, not {self.algorithm}: drop --algorithm")
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
-                     "samples", "features"):
+                     "samples", "features", "rows"):
             _at_least(name, getattr(self, name), 1)
         _at_least("hidden", self.hidden, 0)
         _at_least("classes", self.classes, 2)

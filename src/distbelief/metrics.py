@@ -70,9 +70,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax_loss.set_yscale("log")
         ax_loss.legend()
     ax_loss.set(xlabel="wall time (s)", ylabel="training loss", title="Loss")
-    if evals:
-        ax_acc.plot([e["t"] - start for e in evals], [e["test_accuracy"] for e in evals], "o-")
-    ax_acc.set(xlabel="wall time (s)", ylabel="test accuracy", title="Held-out accuracy",
+    metric = "test_auc" if any("test_auc" in e for e in evals) else "test_accuracy"
+    scored = [e for e in evals if metric in e]  # click models report AUC, classifiers accuracy
+    if scored:
+        ax_acc.plot([e["t"] - start for e in scored], [e[metric] for e in scored], "o-")
+    label = "test AUC" if metric == "test_auc" else "test accuracy"
+    ax_acc.set(xlabel="wall time (s)", ylabel=label, title=f"Held-out {label[5:]}",
                ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
