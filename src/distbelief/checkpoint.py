@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from distbelief.errors import UserError
@@ -95,7 +95,21 @@ def latest_checkpoint(run_dir: str | os.PathLike, plan, state_names: Sequence[st
     if not manifests:
         raise UserError(f"--resume {run_dir}: no checkpoint found in {folder}: pass the run "
                         "folder of a run that wrote checkpoints")
-    path = manifests[-1]
+    return load_checkpoint(run_dir, int(manifests[-1].stem.split("-")[1]), plan, state_names)
+
+
+def load_checkpoint(run_dir: str | os.PathLike, number: int, plan, state_names: Sequence[str],
+                    shards: Sequence[int] | None = None
+                    ) -> tuple[dict, list[dict[str, np.ndarray] | None]]:
+    """Checkpoint ``number`` of ``run_dir``, validated against ``plan``: manifest + arrays.
+
+    ``parts[i]`` holds shard i's ``params``, rule state and any Sandblaster vectors
+    (``vec:NAME``); only the shards listed in ``shards`` are read (the others are None).
+    Each manifest shard entry gains the ``counters`` its file recorded. Errors as for
+    :func:`latest_checkpoint`.
+    """
+    folder = Path(run_dir) / "checkpoints"
+    path = folder / MANIFEST.format(number)
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -108,14 +122,29 @@ def latest_checkpoint(run_dir: str | os.PathLike, plan, state_names: Sequence[st
     if manifest.get("state") != list(state_names):
         raise UserError(f"checkpoint {path} was written with optimizer state "
                         f"{manifest.get('state')}: resume with the same --optimizer")
-    parts = []
+    parts: list[dict[str, np.ndarray] | None] = []
     for i, entry in enumerate(manifest["shards"]):
+        if shards is not None and i not in shards:
+            parts.append(None)
+            continue
         arrays = load_arrays(folder / entry["file"])
         size = plan.bounds[i + 1] - plan.bounds[i]
-        for name in ("params", *state_names):
+        names = ("params", *state_names, *(k for k in arrays if k.startswith("vec:")))
+        for name in names:
             if name not in arrays or arrays[name].shape != (size,) \
                     or arrays[name].dtype != np.float32:
                 raise UserError(f"checkpoint file {entry['file']} lacks a float32 {name!r} of "
                                 f"{size} elements: it is damaged, use another checkpoint")
+        entry["counters"] = _counters(folder / entry["file"])
         parts.append(arrays)
     return manifest, parts
+
+
+def _counters(path: Path) -> dict | None:
+    """The shard counters (JSON in the file's metadata) a shard file recorded, if any."""
+    with safe_open(str(path), framework="np") as fh:
+        text = (fh.metadata() or {}).get("counters")
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None

@@ -76,20 +76,40 @@ class ShardCore:
         self.pushes_by_replica[int(replica)] += 1
         return True
 
-    def save(self, path: str) -> int:
-        """Write parameters, rule state and version to ``path`` atomically; the version."""
+    def save(self, path: str, vectors: tuple[str, ...] = ()) -> int:
+        """Write parameters, rule state, counters and version to ``path`` atomically; the
+        version. ``vectors`` names Sandblaster vectors to include too (as ``vec:NAME``)."""
+        import json
+
         from distbelief.checkpoint import save_arrays
 
-        save_arrays(path, {"params": self.params, **self.state},
-                    {"version": str(self.version), "shard": str(self.shard_id)})
+        arrays = {"params": self.params, **self.state}
+        arrays |= {f"vec:{n}": self.vectors[n] for n in vectors if n in self.vectors}
+        counters = {"fetches": self.fetches, "rejected": dict(self.rejected),
+                    "pushes_by_replica": {str(k): v for k, v in self.pushes_by_replica.items()},
+                    "staleness": {str(k): v for k, v in self.staleness.items()}}
+        save_arrays(path, arrays, {"version": str(self.version), "shard": str(self.shard_id),
+                                   "counters": json.dumps(counters)})
         return self.version
 
-    def restore(self, arrays: dict[str, np.ndarray], version: int) -> None:
-        """Load what :meth:`save` wrote (already validated by the caller)."""
+    def restore(self, arrays: dict[str, np.ndarray], version: int,
+                counters: dict | None = None) -> None:
+        """Load what :meth:`save` wrote (already validated by the caller): the slice, rule
+        state, version, Sandblaster vectors and, if given, the counters :meth:`stats` shows."""
         np.copyto(self.params, arrays["params"])
         for name in self.state:
             np.copyto(self.state[name], arrays[name])
+        for key, values in arrays.items():
+            if key.startswith("vec:"):
+                self.vectors[key[4:]] = np.array(values, dtype=np.float32)
         self.version = int(version)
+        if counters:
+            self.fetches = int(counters.get("fetches", 0))
+            self.rejected = Counter(counters.get("rejected", {}))
+            self.pushes_by_replica = Counter({int(k): v for k, v in
+                                              counters.get("pushes_by_replica", {}).items()})
+            self.staleness = Counter({int(k): v for k, v in
+                                      counters.get("staleness", {}).items()})
 
     # Sandblaster: named vectors over this shard's slice ("x" is the parameters themselves).
     # The coordinator sends these small commands and gets back only scalars.
@@ -244,7 +264,7 @@ class ParameterShard(ShardCore):
                  momentum: float = 0.9, restored: dict | None = None) -> None:
         super().__init__(shard_id, init, make_rule(optimizer, lr, momentum))
         if restored is not None:
-            self.restore(restored["arrays"], restored["version"])
+            self.restore(restored["arrays"], restored["version"], restored.get("counters"))
 
     def stats(self) -> dict:
         return super().stats() | {"node": ray.get_runtime_context().get_node_id()}
