@@ -1,14 +1,22 @@
 """Push+apply and fetch throughput of the shards vs the same Adagrad update in-process.
 
-Run: .venv/bin/python bench/ps.py [--sizes-mb 4 64] [--shards 1 2] [--repeat 20]
-Prints, per gradient size and shard count, MB/s of push+apply (one client pushing a whole
-gradient to all shards at once and waiting for all applies) and of fetch, and the ratio
-to the in-process update measured in the same run.
+Run: .venv/bin/python bench/ps.py [--sizes-mb 4 64] [--shards 1 2] [--repeat 10] [--rounds 3]
+     [--variants f32x1 f32x4 bf16x4 f16x4] [--pushers 2] [--sizes-mb 256 ...]
+Per gradient size and shard count, every variant runs ``--rounds`` rounds; each round
+times ``--repeat`` Adagrad updates of the whole gradient in this process (the baseline:
+the limit for a server-side apply) right before ``--repeat`` pushes of it through the
+shards, and the ratio of the two is taken per round, so machine noise hits both alike.
+A variant ``<dtype>x<k>`` is one client pushing ``float32`` / ``bf16`` / ``f16`` gradients
+with up to k pushes in flight; ``--pushers P`` adds P client actors pushing at once (each
+with 2 in flight). Push MB/s counts float32 gradient bytes applied per second, whatever
+went over the wire. Also prints fetch MB/s and the in-process rate of the pre-issue-6
+update rule (whole-array NumPy with temporaries) for reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -20,55 +28,129 @@ from distbelief.ps.optim import Adagrad
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
-def in_process_rate(n: int, repeat: int) -> float:
-    rule, p, g = Adagrad(0.01), np.zeros(n, np.float32), np.ones(n, np.float32)
-    state = rule.init_state(n)
-    rule.apply(p, g, state)
+
+def legacy_adagrad(p: np.ndarray, g: np.ndarray, acc: np.ndarray, lr: float = 0.01) -> None:
+    """The update rule as it was before issue 6 (allocates two full-size temporaries)."""
+    acc += g * g
+    step = acc + np.float32(1e-8)
+    np.sqrt(step, out=step)
+    np.divide(g, step, out=step)
+    step *= np.float32(lr)
+    p -= step
+
+
+class InProcess:
+    """The baseline: the shards' own Adagrad rule on a whole gradient in this process."""
+
+    def __init__(self, n: int) -> None:
+        self.rule, self.p, self.g = Adagrad(0.01), np.zeros(n, np.float32), np.ones(n, np.float32)
+        self.state = self.rule.init_state(n)
+        self.rule.apply(self.p, self.g, self.state)  # touch every page once
+
+    def rate(self, repeat: int, legacy: bool = False) -> float:
+        began = time.perf_counter()
+        for _ in range(repeat):
+            if legacy:
+                legacy_adagrad(self.p, self.g, self.state["accumulator"])
+            else:
+                self.rule.apply(self.p, self.g, self.state)
+        return repeat * self.g.nbytes / (time.perf_counter() - began) / 2**20
+
+
+@ray.remote(num_cpus=0)
+class Pusher:
+    """A client in its own process, like a replica: pushes one gradient ``repeat`` times."""
+
+    def __init__(self, shards: list, plan: ShardPlan, grad_dtype: str, in_flight: int) -> None:
+        self.client = PSClient(shards, plan, grad_dtype=grad_dtype, max_in_flight=in_flight)
+        self.grad = np.ones(plan.numel, np.float32)
+
+    def push(self, repeat: int) -> None:
+        for _ in range(repeat):
+            self.client.push(self.grad)
+        self.client.wait()
+
+
+def push_rate(clients: list, grad: np.ndarray, repeat: int) -> float:
+    """Aggregate MB/s of float32 gradient applied: ``repeat`` pushes by every client."""
     began = time.perf_counter()
-    for _ in range(repeat):
-        rule.apply(p, g, state)
-    return repeat * n * 4 / (time.perf_counter() - began) / 2**20
+    if isinstance(clients[0], PSClient):
+        for _ in range(repeat):
+            clients[0].push(grad)
+        clients[0].wait()
+    else:
+        ray.get([c.push.remote(repeat) for c in clients])
+    return len(clients) * repeat * grad.nbytes / (time.perf_counter() - began) / 2**20
 
 
-def shard_rates(n: int, shards: int, repeat: int) -> tuple[float, float]:
-    plan = ShardPlan.build([("w", (n,))], shards)
-    handles = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32), "adagrad",
-                                     0.01) for i in range(shards)]
-    client = PSClient(handles, plan)
-    grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
-    client.push(grad)
-    client.wait()
-    began = time.perf_counter()
-    for _ in range(repeat):
-        client.push(grad)
-    client.wait()
-    push = repeat * n * 4 / (time.perf_counter() - began) / 2**20
+def fetch_rate(client: PSClient, flat: np.ndarray, repeat: int) -> float:
     began = time.perf_counter()
     for _ in range(repeat):
         client.fetch_into(flat)
-    fetch = repeat * n * 4 / (time.perf_counter() - began) / 2**20
-    for h in handles:
-        ray.kill(h)
-    return push, fetch
+    return repeat * flat.nbytes / (time.perf_counter() - began) / 2**20
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 64])
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=["f32x1", "f32x4", "bf16x4"])
+    parser.add_argument("--pushers", type=int, nargs="*", default=[2],
+                        help="also run P concurrent client actors (f32, 2 in flight each)")
     args = parser.parse_args()
-    cluster.connect(num_cpus=max(args.shards) + 1, object_store_memory=2 * 2**30)
-    print(f"{'MB':>6} {'shards':>6} {'in-proc MB/s':>13} {'push MB/s':>10} {'ratio':>6} "
-          f"{'fetch MB/s':>11}")
+    cluster.connect(num_cpus=max(args.shards) + 1,
+                    object_store_memory=int(max(2 * 2**30, 12 * max(args.sizes_mb) * 2**20)))
+    print(f"rounds={args.rounds} repeat={args.repeat}; ratio = push MB/s / in-process MB/s, "
+          "median [min-max] over rounds")
+    print(f"{'MB':>5} {'shards':>6} {'variant':>10} {'in-proc MB/s':>12} {'push MB/s':>10} "
+          f"{'ratio':>6} {'range':>11} {'fetch MB/s':>10}")
     for mb in args.sizes_mb:
         n = int(mb * 2**20 / 4)
+        base = InProcess(n)
+        legacy = statistics.median(base.rate(args.repeat, legacy=True) for _ in range(3))
+        new = statistics.median(base.rate(args.repeat) for _ in range(3))
+        print(f"{mb:>5g} {'-':>6} {'rule':>10} in-process Adagrad: chunked {new:.0f} MB/s, "
+              f"pre-issue-6 {legacy:.0f} MB/s ({new / legacy:.2f}x)")
         for shards in args.shards:
-            base = in_process_rate(n, args.repeat)
-            push, fetch = shard_rates(n, shards, args.repeat)
-            print(f"{mb:>6g} {shards:>6} {base:>13.0f} {push:>10.0f} {push / base:>6.2f} "
-                  f"{fetch:>11.0f}")
+            plan = ShardPlan.build([("w", (n,))], shards)
+            handles = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
+                                             "adagrad", 0.01) for i in range(shards)]
+            grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
+            variants = [(v, 1) for v in args.variants] + [("f32x2", p) for p in args.pushers]
+            fetch = 0.0
+            for variant, pushers in variants:
+                dtype, k = variant.split("x")
+                if pushers == 1:
+                    clients = [PSClient(handles, plan, grad_dtype=DTYPES[dtype],
+                                        max_in_flight=int(k))]
+                else:
+                    clients = [Pusher.remote(handles, plan, DTYPES[dtype], int(k))
+                               for _ in range(pushers)]
+                push_rate(clients, grad, 1)  # warm up: actors up, pages touched
+                rounds = []
+                for _ in range(args.rounds):
+                    b = base.rate(args.repeat)
+                    rounds.append((b, push_rate(clients, grad, args.repeat)))
+                if not fetch:
+                    fetch = statistics.median(fetch_rate(clients[0], flat, args.repeat)
+                                              for _ in range(args.rounds))
+                ratios = sorted(p / b for b, p in rounds)
+                name = variant if pushers == 1 else f"{pushers}x{variant}"
+                print(f"{mb:>5g} {shards:>6} {name:>10} "
+                      f"{statistics.median(b for b, _ in rounds):>12.0f} "
+                      f"{statistics.median(p for _, p in rounds):>10.0f} "
+                      f"{statistics.median(ratios):>6.2f} "
+                      f"{f'[{ratios[0]:.2f}-{ratios[-1]:.2f}]':>11} {fetch:>10.0f}", flush=True)
+                for c in clients:
+                    if not isinstance(c, PSClient):
+                        ray.kill(c)
+            for h in handles:
+                ray.kill(h)
+        del base
     ray.shutdown()
 
 

@@ -71,3 +71,30 @@ def test_rules_work_on_gathered_rows():
     rule.apply(p, np.ones((2, 3), np.float32), s)
     params[rows], state["accumulator"][rows] = p, s["accumulator"]
     assert np.allclose(params[[0, 2, 4]], 1.0) and np.allclose(params[rows], 0.9)
+
+
+def test_chunked_rules_equal_whole_array_numpy_bit_for_bit():
+    # Sizes around and across chunk boundaries, plus a non-contiguous view (unchunked path).
+    from distbelief.ps.optim import CHUNK
+
+    rng = np.random.default_rng(5)
+    for n in (1, CHUNK - 1, CHUNK, 2 * CHUNK + 7):
+        p0 = rng.standard_normal(n).astype(np.float32)
+        gs = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+        lr, mu, eps = np.float32(0.05), np.float32(0.9), np.float32(1e-8)
+        sgd, v, acc = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+        mom, ada = p0.copy(), p0.copy()
+        for g in gs:
+            sgd -= lr * g
+            v *= mu
+            v += g
+            mom -= lr * v
+            acc += g * g
+            ada -= lr * (g / np.sqrt(acc + eps))
+        for rule, ref in ((SGD(0.05), sgd), (Momentum(0.05, momentum=0.9), mom),
+                          (Adagrad(0.05, eps=1e-8), ada)):
+            p, _ = run(rule, p0, gs)
+            np.testing.assert_array_equal(p, ref)
+    strided = np.zeros(10, np.float32)[::2]
+    Adagrad(0.1).apply(strided, np.ones(5, np.float32), {"accumulator": np.zeros(5, np.float32)})
+    np.testing.assert_allclose(strided, -0.1, rtol=1e-6)

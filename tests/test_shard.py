@@ -74,6 +74,22 @@ def test_ranged_push_out_of_range_or_misshaped_is_rejected(core):
     assert core.version == 0 and np.all(core.params == 0)
 
 
+@pytest.mark.parametrize("grad_dtype", ["float16", "bfloat16"])
+def test_16_bit_push_is_widened_and_applied_in_float32(grad_dtype):
+    from distbelief.ps.codec import encode
+
+    core = ShardCore(0, np.zeros(4, np.float32), SGD(1.0))
+    assert core.push(encode(np.array([0.5, -2.0, 1.0, 0.25], np.float32), grad_dtype), 0)
+    _, params = core.fetch()
+    assert params.dtype == np.float32
+    np.testing.assert_array_equal(params, [-0.5, 2.0, -1.0, -0.25])
+    bad = encode(np.array([0.5, np.nan, 1.0, 0.0], np.float32), grad_dtype)
+    assert not core.push(bad, 1)
+    assert core.stats()["rejected"] == {"nonfinite": 1} and core.version == 1
+    assert not core.push(encode(np.ones(5, np.float32), grad_dtype), 1)
+    assert core.stats()["rejected"] == {"nonfinite": 1, "shape": 1}
+
+
 def test_staged_ranges_add_up_under_one_tag_and_bad_parts_are_refused(core):
     assert core.stage_ranges("t", [(0, 1), (3, 4)], np.array([1.0, 2.0], np.float32))
     assert core.stage_ranges("t", [(1, 3)], np.array([3.0, 4.0], np.float32))

@@ -2,24 +2,35 @@
 
 Every call goes to all S shards concurrently (one Ray call each, submitted back to back)
 and is waited for together, never one shard after another. Pushes are not waited for at
-all until the next push, so sending overlaps the next mini-batch's compute.
+all until ``max_in_flight`` of them are outstanding, so sending overlaps the next
+mini-batch's compute. Each shard still applies pushes one at a time, in the order sent.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import ray
 
+from distbelief.ps.codec import encode
 from distbelief.ps.plan import ShardPlan
+
+INLINE_BYTES = 100 * 1024  # Ray inlines smaller arguments in the call; larger go via ray.put
 
 
 class PSClient:
-    """Fetch into and push from one flat float32 vector laid out by ``plan``."""
+    """Fetch into and push from one flat float32 vector laid out by ``plan``.
+
+    ``grad_dtype`` is the wire format of pushed gradients (``float32``, or ``float16`` /
+    ``bfloat16`` for half the bytes, see :mod:`distbelief.ps.codec`); ``max_in_flight``
+    is how many pushes may be outstanding before :meth:`push` blocks.
+    """
 
     def __init__(self, shards: Sequence[ray.actor.ActorHandle], plan: ShardPlan,
-                 replica: int = -1) -> None:
+                 replica: int = -1, grad_dtype: str = "float32", max_in_flight: int = 1
+                 ) -> None:
         if len(shards) != plan.shards:
             raise ValueError(f"plan has {plan.shards} shards, got {len(shards)} handles")
         self.shards = list(shards)
@@ -29,7 +40,10 @@ class PSClient:
         self.fetches = 0
         self.pushes = 0
         self.rejected = 0
-        self._in_flight: list[ray.ObjectRef] = []
+        self.grad_dtype = grad_dtype
+        self.max_in_flight = max(1, int(max_in_flight))
+        self._in_flight: deque[list[ray.ObjectRef]] = deque()
+        self._one_node: bool | None = None  # all shards on one node: one object per push
 
     def fetch_into(self, flat: np.ndarray) -> list[int]:
         """Overwrite ``flat`` (shape ``(numel,)``) with every shard's slice; returns versions."""
@@ -42,13 +56,32 @@ class PSClient:
         return self.versions
 
     def push(self, flat_grad: np.ndarray) -> None:
-        """Send each shard its slice of ``flat_grad``; Ray copies the slices at submission."""
-        self.wait()
-        bounds = self.plan.bounds
-        self._in_flight = [
-            shard.push.remote(flat_grad[lo:hi], version, self.replica)
-            for shard, lo, hi, version in zip(self.shards, bounds, bounds[1:], self.versions)
-        ]
+        """Send each shard its slice of ``flat_grad`` (float32, shape ``(numel,)``).
+
+        The gradient is encoded as ``grad_dtype`` and copied into Ray's object store here
+        (an explicit ``ray.put`` costs less than a large array argument), so the caller may
+        overwrite ``flat_grad`` at once: one object that every shard reads its part of when
+        all shards share a node, else one object per shard. Blocks only while
+        ``max_in_flight`` earlier pushes are still being applied.
+        """
+        self._drain(self.max_in_flight - 1)
+        bounds, refs = self.plan.bounds, []
+        if self._one_node is None:
+            self._one_node = len(self.shards) > 1 and len(set(ray.get(
+                [s.node.remote() for s in self.shards]))) == 1
+        if self._one_node and flat_grad.nbytes > INLINE_BYTES:
+            whole = ray.put(encode(flat_grad, self.grad_dtype))
+            self._in_flight.append([
+                shard.push_part.remote(whole, lo, version, self.replica)
+                for shard, lo, version in zip(self.shards, bounds, self.versions)])
+            self.pushes += 1
+            return
+        for shard, lo, hi, version in zip(self.shards, bounds, bounds[1:], self.versions):
+            part = encode(flat_grad[lo:hi], self.grad_dtype)
+            if part.nbytes > INLINE_BYTES:
+                part = ray.put(part)
+            refs.append(shard.push.remote(part, version, self.replica))
+        self._in_flight.append(refs)
         self.pushes += 1
 
     def local_ranges(self, ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
@@ -85,7 +118,7 @@ class PSClient:
                 refs.append(self.shards[s].push_ranges.remote(
                     r, grad[offset: offset + size], self.versions[s], self.replica))
             offset += size
-        self._in_flight = refs
+        self._in_flight.append(refs)
         self.pushes += 1
 
     def fetch_vector_ranges(self, vector: str, ranges: list[tuple[int, int]]) -> np.ndarray:
@@ -109,8 +142,11 @@ class PSClient:
         return all(ray.get(refs))
 
     def wait(self) -> None:
-        """Block until the last push is applied (or rejected) by every shard."""
-        if self._in_flight:
-            accepted = ray.get(self._in_flight)
+        """Block until every push sent is applied (or rejected) by every shard."""
+        self._drain(0)
+
+    def _drain(self, keep: int) -> None:
+        """Wait for the oldest pushes until at most ``keep`` are outstanding."""
+        while len(self._in_flight) > keep:
+            accepted = ray.get(self._in_flight.popleft())
             self.rejected += accepted.count(False)
-            self._in_flight = []

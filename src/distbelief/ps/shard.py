@@ -12,9 +12,11 @@ from collections import Counter
 import numpy as np
 import ray
 
+from distbelief.ps.codec import WIRE_DTYPES, all_finite, decode_into
 from distbelief.ps.optim import SGD, make_rule
 
 ACCEPTED_DTYPES = (np.float32,)
+PUSH_DTYPES = tuple(WIRE_DTYPES.values())  # float32, float16, bfloat16 bits (uint16)
 
 
 class ShardCore:
@@ -36,6 +38,7 @@ class ShardCore:
         self.pushes_by_replica: Counter[int] = Counter()
         self.vectors: dict[str, np.ndarray] = {}
         self.staged: dict[str, np.ndarray] = {}
+        self._wide: np.ndarray | None = None  # float32 scratch for 16-bit pushes
 
     def fetch(self) -> tuple[int, np.ndarray]:
         """Current version and a read-only view of the slice (callers must copy to keep it)."""
@@ -48,25 +51,36 @@ class ShardCore:
         """Why ``grad`` may not be applied to the whole slice, or None if it may."""
         return self.check_shape(grad, self.params.shape)
 
-    def check_shape(self, grad: object, shape: tuple[int, ...]) -> str | None:
-        """Why ``grad`` is not a finite float32 array of ``shape``, or None if it is."""
+    def check_shape(self, grad: object, shape: tuple[int, ...],
+                    dtypes: tuple = ACCEPTED_DTYPES) -> str | None:
+        """Why ``grad`` is not a finite array of ``shape`` and one of ``dtypes``, or None.
+
+        Finiteness is checked here for float dtypes; bfloat16 bits after widening.
+        """
         if not isinstance(grad, np.ndarray):
             return "type"
-        if grad.dtype not in ACCEPTED_DTYPES:
+        if grad.dtype not in dtypes:
             return "dtype"
         if grad.shape != tuple(shape):
             return "shape"
-        if not np.isfinite(grad).all():
+        if grad.dtype.kind == "f" and not all_finite(grad):
             return "nonfinite"
         return None
 
     def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
         """Apply ``grad`` unless it is malformed; returns whether it was applied.
 
-        A rejected push changes nothing but the rejection counter for its reason
-        (``type``, ``dtype``, ``shape``, ``nonfinite``).
+        ``grad`` is float32 or a 16-bit wire format of :mod:`distbelief.ps.codec`, widened
+        to float32 here (parameters and rule state stay float32). A rejected push changes
+        nothing but the rejection counter for its reason (``type``, ``dtype``, ``shape``,
+        ``nonfinite``).
         """
-        reason = self.check(grad)
+        reason = self.check_shape(grad, self.params.shape, PUSH_DTYPES)
+        if reason is None and grad.dtype != np.float32:
+            if self._wide is None:
+                self._wide = np.empty_like(self.params)
+            grad = decode_into(grad, self._wide)
+            reason = None if all_finite(grad) else "nonfinite"
         if reason is not None:
             self.rejected[reason] += 1
             return False
@@ -75,6 +89,17 @@ class ShardCore:
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
         return True
+
+    def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
+                  replica: int = -1) -> bool:
+        """:meth:`push` of ``grad[lo : lo + size]`` (a 1-D array covering several shards).
+
+        A client puts one gradient in the object store for all shards on a node and each
+        shard reads its own part of it, zero-copy; the part is checked as in :meth:`push`.
+        """
+        if isinstance(grad, np.ndarray) and grad.ndim == 1:
+            grad = grad[lo: lo + self.params.size]
+        return self.push(grad, fetched_version, replica)
 
     def save(self, path: str, vectors: tuple[str, ...] = ()) -> int:
         """Write parameters, rule state, counters and version to ``path`` atomically; the
@@ -267,4 +292,8 @@ class ParameterShard(ShardCore):
             self.restore(restored["arrays"], restored["version"], restored.get("counters"))
 
     def stats(self) -> dict:
-        return super().stats() | {"node": ray.get_runtime_context().get_node_id()}
+        return super().stats() | {"node": self.node()}
+
+    def node(self) -> str:
+        """The Ray node this shard runs on (clients send shards on one node one object)."""
+        return ray.get_runtime_context().get_node_id()
