@@ -119,7 +119,7 @@ class SparseReplica:
     def counters(self) -> dict:
         c, s = self.client, self.sparse
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected + s.rejected,
-                **s.counters(), "last_rejection": s.last_rejection}
+                **s.counters(), "last_rejection": s.last_rejection, "rss_bytes": rss_bytes()}
 
     def _push(self) -> None:
         grad = self.accrued if self.accrued is not None else self.flat.grad
