@@ -40,11 +40,11 @@ class DownpourReplica:
 
     def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
                  shards: list, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, shard_names: list[str] | None = None) -> None:
         torch.set_num_threads(1)
         self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
         self.flat = FlatModel(model, plan)
-        self.client = PSClient(shards, plan, replica=index)
+        self.client = PSClient(shards, plan, replica=index, names=shard_names)
         rows = replica_indices(len(x), index, cfg.replicas)
         self.sampler = ReplicaSampler(rows, cfg.batch_size, cfg.seed, index)
         self.x, self.y = torch.from_numpy(np.asarray(x)), torch.from_numpy(np.asarray(y))
@@ -95,7 +95,9 @@ class DownpourReplica:
 
     def counters(self) -> dict:
         c = self.client
-        return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected}
+        return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
+                "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
+                "retried": c.retried}
 
     def _push(self) -> None:
         grad = self.accrued if self.accrued is not None else self.flat.grad
@@ -114,6 +116,7 @@ class DownpourSGD(Trainer):
     """
 
     algorithm = "downpour"
+    restores_shards = True
 
     def _replica_actor(self):
         """The replica actor class: one process per replica, or a model-parallel group."""
@@ -127,7 +130,7 @@ class DownpourSGD(Trainer):
         """Extra keyword arguments for every replica (subclasses add their own actors)."""
         if self.cfg.partitions > 1:
             return {"partition_plan": self._partition_plan}
-        return {}
+        return {"shard_names": [self.actor_name("shard", i) for i in range(self.plan.shards)]}
 
     def _train(self, log: RunLog, x, y, test) -> TrainResult:
         cfg, plan = self.cfg, self.plan
@@ -188,8 +191,13 @@ class DownpourSGD(Trainer):
         """The driver loop: resubmit each replica's next segment the moment it returns."""
         cfg, plan = self.cfg, self.plan
         client = PSClient(shards, plan)
-        log.log("placement", shards=[s["node"] for s in ray.get([s.stats.remote()
-                                                                  for s in shards])],
+
+        def shard_stats() -> list[dict]:
+            return self._on_shards(log, shards, lambda: ray.get([s.stats.remote()
+                                                                 for s in shards]))
+
+        first = shard_stats()
+        log.log("placement", shards=[s["node"] for s in first],
                 replicas=ray.get([r.where.remote() for r in replicas.values()]))
         self._progress = self._progress_bar(cfg.replicas * cfg.steps)
         done = {i: resumed.get(i, 0) for i in replicas}
@@ -216,9 +224,10 @@ class DownpourSGD(Trainer):
                 if time.time() >= next_checkpoint:
                     checkpoint()
                     next_checkpoint = time.time() + cfg.checkpoint_every_s
-                if time.time() >= next_eval:
-                    self._evaluate(log, client, evaluator, began)
-                    self._check_rejections(shards)
+                if time.time() >= next_eval:  # also notices a dead shard and restarts it
+                    self._on_shards(log, shards, lambda: self._evaluate(log, client, evaluator,
+                                                                        began), (client,))
+                    self._on_shards(log, shards, lambda: self._check_rejections(shards))
                     next_eval = time.time() + cfg.eval_every_s
                 wake = min(next_eval, next_checkpoint)
                 ready, _ = ray.wait(list(pending), num_returns=1,
@@ -240,7 +249,7 @@ class DownpourSGD(Trainer):
                         continue
                     for e in reply["events"]:
                         log.log("step", **e)
-                    counters[i] = {k: reply[k] for k in ("fetches", "pushes", "rejected")}
+                    counters[i] = {k: v for k, v in reply.items() if k not in ("events", "step")}
                     done[i] = reply["step"]
                     self._tick(len(reply["events"]), reply["events"][-1]["loss"])
                     if warm and done[0] >= cfg.warmstart_steps:
@@ -263,7 +272,30 @@ class DownpourSGD(Trainer):
         for i, c in zip(replicas, ray.get([r.finish.remote() for r in replicas.values()])):
             counters[i] = c
         checkpoint()
-        final = self._evaluate(log, client, evaluator, began)
-        stats = ray.get([s.stats.remote() for s in shards])
+        final = self._on_shards(log, shards, lambda: self._evaluate(log, client, evaluator,
+                                                                    began), (client,))
+        stats = shard_stats()
+        if all("dropped_by_shard" in c for c in counters.values()):
+            log.log("push_accounting", exact=not any(restarts.values()),
+                    shards=push_accounting(first, stats, list(counters.values())))
         updates = sum(c["pushes"] for c in counters.values())
         return self._finish(log, evaluator, final, updates, began, stats, counters)
+
+
+def push_accounting(first: list[dict], last: list[dict], counters: list[dict]) -> list[dict]:
+    """Where every push to each shard went, from shard stats at the start and end of a run
+    and the replicas' counters: ``sent == applied + rejected + dropped + lost_with_shard``.
+
+    ``dropped`` pushes were never acknowledged (the shard had died); ``lost_with_shard``
+    ones were acknowledged, then rolled back when the shard restarted from a checkpoint.
+    Exact while no replica restarted (a dead replica's last counters are unknown).
+    """
+    sent = sum(c["pushes"] for c in counters)
+    out = []
+    for s, (a, b) in enumerate(zip(first, last)):
+        applied = b["version"] - a["version"]
+        rejected = b["rejected_total"] - a["rejected_total"]
+        dropped = sum(c["dropped_by_shard"][s] for c in counters)
+        out.append({"shard": s, "sent": sent, "applied": applied, "rejected": rejected,
+                    "dropped": dropped, "lost_with_shard": sent - applied - rejected - dropped})
+    return out

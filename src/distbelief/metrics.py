@@ -22,7 +22,8 @@ class RunLog:
         self._fh = None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            # line-buffered: a killed driver leaves every event it logged, whole lines only
+            self._fh = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8", buffering=1)
 
     def log(self, event: str, **fields) -> dict:
         record = {"event": event, "t": fields.pop("t", time.time())} | fields

@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 from distbelief import cluster
-from distbelief.checkpoint import latest_checkpoint, save_arrays, shard_file, write_manifest
+from distbelief.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_arrays,
+    shard_file,
+    write_manifest,
+)
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
 from distbelief.flat import FlatModel, parameter_shapes
@@ -32,6 +38,7 @@ from distbelief.ps.optim import make_rule
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 
+MAX_SHARD_RESTARTS = 3  # per shard, before the run fails
 
 @dataclass
 class TrainResult:
@@ -56,6 +63,7 @@ class Trainer:
     """
 
     algorithm = ""
+    restores_shards = False  # restart a dead shard from the newest checkpoint (Downpour)
 
     def __init__(self, model: nn.Module, loss_fn: nn.Module | None = None,
                  config: TrainConfig | None = None, **overrides) -> None:
@@ -131,27 +139,94 @@ class Trainer:
 
     def _start_shards(self, initial: list[np.ndarray]) -> list[ray.actor.ActorHandle]:
         """One shard actor per planned slice, from ``initial`` or from the resumed checkpoint."""
-        cfg = self.cfg
         restored = [None] * self.plan.shards
         if self.restored is not None:
             manifest, parts = self.restored
-            restored = [{"arrays": a, "version": e["version"]}
+            restored = [{"arrays": a, "version": e["version"], "counters": e.get("counters")}
                         for a, e in zip(parts, manifest["shards"])]
-        return [ParameterShard.options(name=self.actor_name("shard", i),
-                                       scheduling_strategy="SPREAD")
-                .remote(i, initial[i], cfg.optimizer, cfg.lr, cfg.momentum, restored[i])
-                for i in range(self.plan.shards)]
+        self._initial = initial
+        self._shard_restarts = [0] * self.plan.shards
+        self._restart_from = restored, self._checkpoints or None  # until a checkpoint is written
+        return [self._new_shard(i, restored[i]) for i in range(self.plan.shards)]
 
-    def _checkpoint(self, log: RunLog, shards: list, extra: dict) -> int | None:
-        """Every shard writes its slice, rule state and version; then the manifest. Number."""
+    def _new_shard(self, i: int, restored: dict | None) -> ray.actor.ActorHandle:
+        cfg = self.cfg
+        for _ in range(200):  # a dead shard's name is freed asynchronously
+            try:
+                return ParameterShard.options(name=self.actor_name("shard", i),
+                                              scheduling_strategy="SPREAD").remote(
+                    i, self._initial[i], cfg.optimizer, cfg.lr, cfg.momentum, restored)
+            except ray.exceptions.ActorAlreadyExistsError:
+                time.sleep(0.05)
+        raise RuntimeError(f"shard {i}'s actor name is still taken after it died")
+
+    def _on_shards(self, log: RunLog, shards: list, call, clients: tuple = ()):
+        """``call()``, which talks to ``shards``; if a shard died, restart it and call again.
+
+        Only where :attr:`restores_shards` is set; ``clients`` are the driver's
+        :class:`PSClient` s, pointed at the restarted shards.
+        """
+        while True:
+            for client in clients:  # a shard may have been restarted by an earlier call
+                client.shards[:] = shards
+            try:
+                return call()
+            except ray.exceptions.RayActorError:
+                if not (self.restores_shards and self._revive_shards(log, shards)):
+                    raise
+
+    def _revive_shards(self, log: RunLog, shards: list) -> list[int]:
+        """Restart every dead shard in place in ``shards``; the restarted indices.
+
+        A restarted shard resumes from the newest checkpoint this run has written (or the
+        one it resumed from), so it loses the updates applied to its slice since then; with
+        no checkpoint yet it starts again from the initial parameters.
+        """
+        dead = []
+        for i, shard in enumerate(shards):
+            try:
+                ray.get(shard.stats.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                dead.append(i)
+            except ray.exceptions.GetTimeoutError:
+                pass  # alive, only busy
+        for i in dead:
+            self._shard_restarts[i] += 1
+            log.log("shard_failed", shard=i, restarts=self._shard_restarts[i])
+            if self._shard_restarts[i] > MAX_SHARD_RESTARTS:
+                raise RuntimeError(f"shard {i} died more than {MAX_SHARD_RESTARTS} times; see "
+                                   "the run's shard_failed events")
+            restored, number = self._shard_checkpoint(log, i)
+            ray.kill(shards[i])
+            shards[i] = self._new_shard(i, restored)
+            version = ray.get(shards[i].stats.remote())["version"]
+            log.log("shard_restored", shard=i, checkpoint=number, version=version)
+        return dead
+
+    def _shard_checkpoint(self, log: RunLog, i: int) -> tuple[dict | None, int | None]:
+        """Shard ``i``'s part of the newest checkpoint (None: initial) and that number."""
+        if self._restart_from is not None:  # no checkpoint written by this run yet
+            restored, number = self._restart_from
+            return restored[i], number
+        manifest, parts = load_checkpoint(log.run_dir, self._checkpoints, self.plan,
+                                          self._state_names(), shards=[i])
+        entry = manifest["shards"][i]
+        return ({"arrays": parts[i], "version": entry["version"],
+                 "counters": entry["counters"]}, self._checkpoints)
+
+    def _checkpoint(self, log: RunLog, shards: list, extra: dict,
+                    vectors: tuple[str, ...] = ()) -> int | None:
+        """Every shard writes its slice, rule state, version and the named Sandblaster
+        ``vectors``; then the manifest. The checkpoint's number."""
         if log.run_dir is None:
             return None
-        self._checkpoints += 1
-        number = self._checkpoints
+        number = self._checkpoints + 1
         (log.run_dir / "checkpoints").mkdir(exist_ok=True)
-        versions = ray.get([s.save.remote(str(shard_file(log.run_dir, number, i)))
-                            for i, s in enumerate(shards)])
+        versions = self._on_shards(log, shards, lambda: ray.get(
+            [s.save.remote(str(shard_file(log.run_dir, number, i)), vectors)
+             for i, s in enumerate(shards)]))
         write_manifest(log.run_dir, number, versions, self.plan, self._state_names(), extra)
+        self._checkpoints, self._restart_from = number, None
         log.log("checkpoint", number=number, versions=versions, **extra)
         return number
 

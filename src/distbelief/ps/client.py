@@ -8,6 +8,7 @@ mini-batch's compute. Each shard still applies pushes one at a time, in the orde
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -18,6 +19,12 @@ from distbelief.ps.codec import encode
 from distbelief.ps.plan import ShardPlan
 
 INLINE_BYTES = 100 * 1024  # Ray inlines smaller arguments in the call; larger go via ray.put
+RECONNECT_S = 60.0  # how long a client waits for the driver to restart a dead shard
+FETCH_TRIES = 3  # fetches of one shard (first try + retries) before giving up
+
+
+class ShardUnavailable(RuntimeError):
+    """A shard died and no restarted shard answered under its name in time."""
 
 
 class PSClient:
@@ -26,11 +33,17 @@ class PSClient:
     ``grad_dtype`` is the wire format of pushed gradients (``float32``, or ``float16`` /
     ``bfloat16`` for half the bytes, see :mod:`distbelief.ps.codec`); ``max_in_flight``
     is how many pushes may be outstanding before :meth:`push` blocks.
+
+    With ``names`` (the shards' Ray actor names) the client survives a shard's restart: a
+    fetch from a dead shard waits for the actor that the driver restarts under the same name
+    and is retried (counted in ``retried``); a push a dead shard never acknowledged is
+    dropped and counted (``dropped``, ``dropped_by_shard``). Without names a dead shard's
+    error propagates.
     """
 
     def __init__(self, shards: Sequence[ray.actor.ActorHandle], plan: ShardPlan,
-                 replica: int = -1, grad_dtype: str = "float32", max_in_flight: int = 1
-                 ) -> None:
+                 replica: int = -1, grad_dtype: str = "float32", max_in_flight: int = 1,
+                 names: Sequence[str] | None = None) -> None:
         if len(shards) != plan.shards:
             raise ValueError(f"plan has {plan.shards} shards, got {len(shards)} handles")
         self.shards = list(shards)
@@ -44,10 +57,24 @@ class PSClient:
         self.max_in_flight = max(1, int(max_in_flight))
         self._in_flight: deque[list[ray.ObjectRef]] = deque()
         self._one_node: bool | None = None  # all shards on one node: one object per push
+        self.names = list(names) if names is not None else None
+        self.dropped = 0
+        self.dropped_by_shard = [0] * plan.shards
+        self.retried = 0
+        self.reconnects = 0
+        self._dead: set[int] = set()  # shards whose restart this client has yet to reach
 
     def fetch_into(self, flat: np.ndarray) -> list[int]:
         """Overwrite ``flat`` (shape ``(numel,)``) with every shard's slice; returns versions."""
-        replies = ray.get([s.fetch.remote() for s in self.shards])
+        if self._dead:
+            self._reconnect_dead()
+        refs = [s.fetch.remote() for s in self.shards]
+        try:
+            replies = ray.get(refs)
+        except ray.exceptions.RayActorError:
+            if self.names is None:
+                raise
+            replies = self._refetch(refs)
         bounds = self.plan.bounds
         for lo, hi, (_, part) in zip(bounds, bounds[1:], replies):
             flat[lo:hi] = part
@@ -65,6 +92,8 @@ class PSClient:
         ``max_in_flight`` earlier pushes are still being applied.
         """
         self._drain(self.max_in_flight - 1)
+        if self._dead:
+            self._reconnect_dead()
         bounds, refs = self.plan.bounds, []
         if self._one_node is None:
             self._one_node = len(self.shards) > 1 and len(set(ray.get(
@@ -148,5 +177,63 @@ class PSClient:
     def _drain(self, keep: int) -> None:
         """Wait for the oldest pushes until at most ``keep`` are outstanding."""
         while len(self._in_flight) > keep:
-            accepted = ray.get(self._in_flight.popleft())
+            refs = self._in_flight.popleft()
+            try:
+                accepted = ray.get(refs)
+            except ray.exceptions.RayActorError:
+                if self.names is None:
+                    raise
+                accepted = self._settle(refs)
             self.rejected += accepted.count(False)
+
+    # A shard's restart (slow path, only after a RayActorError).
+
+    def _settle(self, refs: list[ray.ObjectRef]) -> list[bool | None]:
+        """Each shard's answer to one push; None (dropped, counted) where the shard died."""
+        out: list[bool | None] = []
+        for s, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                out.append(None)
+                self.dropped += 1
+                self.dropped_by_shard[s] += 1
+                self._dead.add(s)
+        return out
+
+    def _refetch(self, refs: list[ray.ObjectRef]) -> list:
+        """Each shard's fetch reply, reconnecting to and re-asking any shard that died."""
+        replies = []
+        for s, ref in enumerate(refs):
+            for _ in range(FETCH_TRIES):
+                try:
+                    replies.append(ray.get(ref))
+                    break
+                except ray.exceptions.RayActorError:
+                    self._reconnect(s)
+                    self.retried += 1
+                    ref = self.shards[s].fetch.remote()
+            else:
+                raise ShardUnavailable(f"shard {s} died {FETCH_TRIES} times during one fetch")
+        return replies
+
+    def _reconnect_dead(self) -> None:
+        for s in sorted(self._dead):
+            self._reconnect(s)
+
+    def _reconnect(self, s: int) -> None:
+        """Wait (up to ``RECONNECT_S``) for shard ``s``'s restart and use that actor."""
+        deadline = time.monotonic() + RECONNECT_S
+        while time.monotonic() < deadline:
+            try:  # the dead actor's name is freed, then taken by its restart, asynchronously
+                handle = ray.get_actor(self.names[s])
+                ray.get(handle.stats.remote())
+            except (ValueError, ray.exceptions.RayActorError):
+                time.sleep(0.05)
+                continue
+            self.shards[s] = handle
+            self.reconnects += 1
+            self._dead.discard(s)
+            return
+        raise ShardUnavailable(f"shard {s} ({self.names[s]}) did not come back within "
+                               f"{RECONNECT_S:.0f} s")
