@@ -1,8 +1,11 @@
-"""Faults injected into real runs: killed shards, a long soak.
+"""Faults injected into real runs: killed shards, a killed coordinator, a long soak.
 
 See RELIABILITY.md for the whole table of faults and what each loses.
 """
 
+import json
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -15,6 +18,7 @@ import torch
 
 from distbelief import DownpourSGD, UserError, data, models
 from distbelief.checkpoint import load_checkpoint, shard_file, write_manifest
+from distbelief.cli import main
 from distbelief.downpour import push_accounting
 from distbelief.ps.optim import Adagrad
 from distbelief.ps.plan import ShardPlan
@@ -156,6 +160,62 @@ def test_shard_killed_before_any_checkpoint_restarts_from_initial_parameters(dig
     healthy = by_event(result, "push_accounting")[0]["shards"][1]
     assert healthy["applied"] == healthy["sent"] == 400
     assert result.test_accuracy > 0.8  # it trained on from there
+
+
+# Sandblaster: the coordinator (the driver process) SIGKILLed mid-run, then --resume.
+
+SANDBLASTER = ["train", "--algorithm", "sandblaster", "--replicas", "2", "--shards", "2",
+               "--hidden", "0", "--iterations", "14", "--seed", "1", "--no-progress"]
+
+
+def events(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_accuracy(out: str) -> float:
+    return float(out.strip().splitlines()[-1].split()[1].split("=")[1])
+
+
+def test_killed_coordinator_resumes_from_last_iteration(tmp_path, capsys):
+    assert main([*SANDBLASTER, "--run-dir", str(tmp_path / "ref")]) == 0
+    unfaulted = final_accuracy(capsys.readouterr().out)
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "distbelief.cli", *SANDBLASTER,
+                             "--run-dir", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not (
+            metrics.exists() and metrics.read_text().count('"event": "checkpoint"') >= 4):
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    for child in children:  # what Ray leaves of a SIGKILLed driver, if anything
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not any(e["event"] == "final" for e in events(run))
+    newest = sorted((run / "checkpoints").glob("checkpoint-*.json"))[-1]
+    at_kill = json.loads(newest.read_text())["lbfgs"]["iteration"]
+    assert 4 <= at_kill < 14  # it died mid-run
+
+    assert main([*SANDBLASTER, "--resume", str(run)]) == 0
+    resumed = final_accuracy(capsys.readouterr().out)
+    after = events(run)  # both processes' events
+    [mark] = [e for e in after if e["event"] == "resumed"]
+    assert mark["iteration"] == at_kill
+    steps = [e["step"] for e in after if e["event"] == "step" and e["t"] > mark["t"]]
+    assert steps == list(range(at_kill + 1, 15))  # continued after the last checkpoint
+    assert abs(resumed - unfaulted) <= 0.01 + 1e-9
+
+    for wrong, message in ((["--history", "5"], "resume with --history 10"),
+                           (["--algorithm", "downpour"], "resume with the same --algorithm")):
+        assert main([*SANDBLASTER, *wrong, "--resume", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
 # Soak: many replicas, thousands of pushes, nothing unaccounted, no memory growth.

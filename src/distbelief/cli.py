@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="abort once the shards rejected more pushes (NaN/inf, bad shape)")
     t.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float,
                    default=d.checkpoint_every_s,
-                   help="seconds between shard checkpoints (0: only at the end and on Ctrl-C)")
+                   help="seconds between shard checkpoints (downpour 0: only at the end and "
+                        "on Ctrl-C; sandblaster: after the first iteration that many seconds "
+                        "after the last, so 0 is every iteration)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest complete checkpoint")
     t.add_argument("--iterations", type=int, default=d.iterations,

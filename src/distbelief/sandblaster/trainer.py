@@ -8,10 +8,11 @@ import time
 import numpy as np
 import ray
 
+from distbelief.errors import UserError
 from distbelief.metrics import RunLog
 from distbelief.ps.client import PSClient
 from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
-from distbelief.sandblaster.lbfgs import LBFGS, LineSearchError
+from distbelief.sandblaster.lbfgs import LBFGS, G, LineSearchError
 from distbelief.sandblaster.replica import SandblasterReplica
 from distbelief.sandblaster.schedule import PORTIONS_PER_REPLICA
 from distbelief.trainer import Evaluator, Trainer, TrainResult
@@ -24,9 +25,32 @@ class SandblasterLBFGS(Trainer):
     through :class:`ShardVectorSpace` (only scalars come back) and evaluates each point by
     handing ``portions`` portions of the training set to ``replicas`` replicas, with backup
     copies near the end of each batch. ``iterations`` L-BFGS steps at most.
+
+    After an iteration (every one, or once ``checkpoint_every_s`` seconds have passed) the
+    shards checkpoint x, g and the L-BFGS history vectors, and the manifest holds the
+    coordinator's :meth:`LBFGS.state_dict`, so ``resume`` continues after the last
+    checkpointed iteration even when the coordinator (the driver process) was killed.
     """
 
     algorithm = "sandblaster"
+
+    def _check_restored(self) -> None:
+        manifest = self.restored[0]
+        state = manifest.get("lbfgs")
+        if manifest.get("algorithm") != "sandblaster" or not isinstance(state, dict):
+            raise UserError(f"the checkpoint in {self.cfg.resume} is of a "
+                            f"{manifest.get('algorithm')} run: resume it with --algorithm "
+                            f"{manifest.get('algorithm')}")
+        if state.get("history") != self.cfg.history:
+            raise UserError(f"the checkpoint in {self.cfg.resume} has L-BFGS history "
+                            f"{state.get('history')}: resume with --history "
+                            f"{state.get('history')}")
+        self._checkpoints = int(manifest["checkpoint"])
+
+    def _history_vectors(self) -> tuple[str, ...]:
+        """The shard vectors an L-BFGS checkpoint needs besides x: g and the (s, y) ring."""
+        slots = range(self.cfg.history + 1)
+        return (G, *(f"s{i}" for i in slots), *(f"y{i}" for i in slots))
 
     def _train(self, log: RunLog, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
         cfg, plan = self.cfg, self.plan
@@ -84,10 +108,21 @@ class SandblasterLBFGS(Trainer):
 
         client = PSClient(shards, self.plan)
         lbfgs = LBFGS(space, evaluate, history=cfg.history)
+        if self.restored is not None:
+            lbfgs.load_state_dict(self.restored[0]["lbfgs"])
+            log.log("resumed", checkpoint=self._checkpoints, iteration=lbfgs.iteration)
+
+        def checkpoint() -> None:
+            space.sync()
+            self._checkpoint(log, shards, {"algorithm": "sandblaster",
+                                           "lbfgs": lbfgs.state_dict()},
+                             self._history_vectors())
+
         self._progress = self._progress_bar(cfg.iterations)
         self._evaluate(log, client, evaluator, began)
         message = f"reached {cfg.iterations} iterations"
-        for _ in range(cfg.iterations):
+        last_checkpoint = time.time()
+        for _ in range(cfg.iterations - lbfgs.iteration):
             try:
                 info = lbfgs.step()
             except LineSearchError as err:
@@ -98,10 +133,13 @@ class SandblasterLBFGS(Trainer):
                     grad_norm=info.grad_norm)
             self._evaluate(log, client, evaluator, began)
             self._tick(1, info.loss)
+            if time.time() - last_checkpoint >= cfg.checkpoint_every_s:
+                checkpoint()
+                last_checkpoint = time.time()
             if info.grad_norm <= 1e-6:
                 message = "gradient norm below 1e-6"
                 break
-        space.sync()
+        checkpoint()
         final = self._evaluate(log, client, evaluator, began)
         log.log("lbfgs_done", message=message, iterations=lbfgs.iteration,
                 evaluations=lbfgs.evaluations, scalars_received=space.scalars_received,
