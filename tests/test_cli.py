@@ -31,6 +31,7 @@ BAD = [
     (["--partitions", "4"], "cannot cut 3 layers into 4 stages"),
     (["--partition-by", "diagonal"], "--partition-by 'diagonal' is unknown"),
     (["--model", "lc", "--channels", "0"], "--channels must be an integer >= 1"),
+    (["--grad-dtype", "int8"], "--grad-dtype 'int8' is unknown: choose one of float32"),
 ]
 
 
@@ -123,3 +124,11 @@ def test_train_on_a_users_npz(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert float(out.strip().splitlines()[-1].split()[1].split("=")[1]) > 0.9
+
+
+def test_bench_runs_a_bench_script_and_refuses_unknown_names(capsys):
+    assert run_cli(["bench", "no-such-bench"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no benchmark 'no-such-bench'" in err[0] and "ps" in err[0]
+    assert run_cli(["bench", "ps", "--help"]) == 0
+    assert "Push+apply and fetch throughput" in capsys.readouterr().out

@@ -37,3 +37,14 @@ def test_pushes_in_flight_are_all_applied_in_order(grad_dtype, max_in_flight):
     finally:
         for s in shards:
             ray.kill(s)
+
+
+def test_downpour_trains_with_bfloat16_gradients():
+    from distbelief import DownpourSGD, data, models
+
+    ds = data.digits()
+    result = DownpourSGD(models.mlp(ds.features, 32, ds.classes, 0), replicas=2, shards=2,
+                         steps=150, grad_dtype="bfloat16").fit(ds.x_train, ds.y_train,
+                                                               ds.x_test, ds.y_test)
+    assert result.test_accuracy > 0.85
+    assert sum(s["rejected_total"] for s in result.shard_stats) == 0

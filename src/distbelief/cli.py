@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="output folder (default runs/<time>)")
     t.add_argument("--slow-replica", dest="slow_replicas", type=_slow, action="append",
                    default=[], metavar="INDEX:FACTOR", help="make a replica slower (repeatable)")
+    t.add_argument("--grad-dtype", default=d.grad_dtype,
+                   help="gradients on the wire: float32, or float16/bfloat16 (half the bytes)")
     t.add_argument("--max-rejected", type=int, default=d.max_rejected,
                    help="abort once the shards rejected more pushes (NaN/inf, bad shape)")
     t.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float,
@@ -99,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", dest="progress", action="store_false")
     p = sub.add_parser("plot", help="(re)draw a run folder's plot.png")
     p.add_argument("run_dir")
+    b = sub.add_parser("bench", help="run bench/NAME.py of this checkout (ps, sync, scale, ...)",
+                       add_help=False)
+    b.add_argument("name")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -137,11 +143,32 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(name: str, argv: list[str]) -> int:
+    """Run ``bench/NAME.py`` of the repository checkout with ``argv``, as its own script."""
+    import runpy
+
+    folder = Path(__file__).resolve().parents[2] / "bench"
+    script = folder / f"{name}.py"
+    if not script.is_file():
+        found = sorted(p.stem for p in folder.glob("*.py")) if folder.is_dir() else []
+        raise UserError(f"no benchmark {name!r} in {folder}: choose one of "
+                        f"{', '.join(found) or '(none: run from a source checkout)'}")
+    saved = sys.argv
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             return train(args)
+        if args.command == "bench":
+            return bench(args.name, args.bench_args)
         from distbelief.metrics import plot_run
 
         print(plot_run(args.run_dir))

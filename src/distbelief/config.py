@@ -13,6 +13,7 @@ OPTIMIZERS = ("sgd", "momentum", "adagrad")
 DATASETS = ("digits", "synthetic", "ctr")
 MODELS = ("mlp", "lc")
 PARTITION_BY = ("auto", "space", "layers")
+GRAD_DTYPES = ("float32", "float16", "bfloat16")  # wire formats, see distbelief.ps.codec
 
 
 def flag(name: str) -> str:
@@ -60,6 +61,7 @@ class TrainConfig:
     num_cpus: int | None = None
     run_dir: str | None = None
     slow_replicas: dict[int, float] = field(default_factory=dict)
+    grad_dtype: str = "float32"  # gradients on the wire; shards keep float32 either way
     max_rejected: int = 1000  # abort once the shards have rejected more pushes than this
     checkpoint_every_s: float = 0.0  # 0: only at the end of the run (and on Ctrl-C)
     resume: str | None = None
@@ -78,6 +80,7 @@ class TrainConfig:
             raise UserError(f"{flag('dataset')} {self.dataset!r} is unknown: choose one of "
                             f"{', '.join(DATASETS)} or the path of a .npz file")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
         _choice("model", self.model, MODELS)
         _at_least("partitions", self.partitions, 1)
         _choice("partition_by", self.partition_by, PARTITION_BY)

@@ -44,7 +44,8 @@ class DownpourReplica:
         torch.set_num_threads(1)
         self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
         self.flat = FlatModel(model, plan)
-        self.client = PSClient(shards, plan, replica=index, names=shard_names)
+        self.client = PSClient(shards, plan, replica=index, names=shard_names,
+                               grad_dtype=cfg.grad_dtype)
         rows = replica_indices(len(x), index, cfg.replicas)
         self.sampler = ReplicaSampler(rows, cfg.batch_size, cfg.seed, index)
         self.x, self.y = torch.from_numpy(np.asarray(x)), torch.from_numpy(np.asarray(y))
