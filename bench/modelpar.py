@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import ray
@@ -62,24 +63,15 @@ def in_process(model: nn.Module, x, y, steps: int, threads: int) -> float:
     return steps / (time.perf_counter() - began)
 
 
-def on_actors(model: nn.Module, k: int, x, y, steps: int) -> tuple[float, float, int]:
-    """Steps/s of the model split over ``k`` partition actors; bytes crossed per step."""
-    plan = plan_spatial(model, k)
-    group = PartitionGroup(model, plan)
-    try:
-        for _ in range(2):  # warm up: actor start, first allocations
-            group.step(x, lambda out: loss_fn(out, y))
-            group.end_step(False, LR)
-        before = sum(c["bytes_sent"] for c in group.counters())
-        began = time.perf_counter()
-        for _ in range(steps):
-            group.step(x, lambda out: loss_fn(out, y))
-            group.end_step(False, LR)
-        after = sum(c["bytes_sent"] for c in group.counters())  # waits for the last step
-        rate = steps / (time.perf_counter() - began)
-    finally:
-        group.kill()
-    return rate, (after - before) / steps, plan.naive_bytes(x.shape[0], 4)
+def timed(group: PartitionGroup, x, y, steps: int) -> tuple[float, float]:
+    """Steps/s of ``steps`` training steps on ``group``; bytes crossed per step."""
+    before = sum(c["bytes_sent"] for c in group.counters())
+    began = time.perf_counter()
+    for _ in range(steps):
+        group.step(x, lambda out: loss_fn(out, y))
+        group.end_step(False, LR)
+    after = sum(c["bytes_sent"] for c in group.counters())  # waits for the last step
+    return steps / (time.perf_counter() - began), (after - before) / steps
 
 
 def main() -> None:
@@ -91,6 +83,7 @@ def main() -> None:
     parser.add_argument("--kernel", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-cpus", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     model = build(args.size, args.channels, args.kernel)
@@ -102,21 +95,36 @@ def main() -> None:
           f"{args.size}x{args.size}, {params / 1e6:.1f} M parameters; batch {args.batch_size}, "
           f"{args.steps} timed steps each")
     cluster.connect(num_cpus=args.num_cpus)
+    plan = plan_spatial(model, args.partitions)
+    groups = {1: PartitionGroup(model, plan_spatial(model, 1)),
+              args.partitions: PartitionGroup(model, plan)}
+    rates: dict[int, list[float]] = {k: [] for k in groups}
     try:
-        one, _, _ = on_actors(model, 1, x, y, args.steps)
-        many, crossed, naive = on_actors(model, args.partitions, x, y, args.steps)
-        again, _, _ = on_actors(model, 1, x, y, args.steps)  # 1-partition twice: drift check
+        for g in groups.values():
+            timed(g, x, y, 2)  # warm up: actor start, first allocations
+        for _ in range(args.repeats):  # alternate, so drift hits both alike
+            for k, g in groups.items():
+                rate, bytes_per_step = timed(g, x, y, args.steps)
+                rates[k].append(rate)
+                if k == args.partitions:
+                    crossed = bytes_per_step
     finally:
+        for g in groups.values():
+            g.kill()
         ray.shutdown()
+    naive = plan.naive_bytes(args.batch_size, 4)
     single = in_process(model, x, y, args.steps, 1)
     double = in_process(model, x, y, args.steps, 2)
-    base = (one + again) / 2
+    one, many = statistics.median(rates[1]), statistics.median(rates[args.partitions])
+    ratios = [b / a for a, b in zip(rates[1], rates[args.partitions])]
     print(f"in process, 1 torch thread   : {single:6.2f} steps/s")
     print(f"in process, 2 torch threads  : {double:6.2f} steps/s")
-    print(f"1 partition actor            : {one:6.2f} / {again:6.2f} steps/s (before / after)")
+    print(f"1 partition actor            : {one:6.2f} steps/s (median of {args.repeats})")
     print(f"{args.partitions} partition actors           : {many:6.2f} steps/s")
-    print(f"speed-up {args.partitions} vs 1 partition      : {many / base:.2f}x")
-    print(f"speed-up vs in-process 2 thr : {many / double:.2f}x")
+    print(f"speed-up {args.partitions} vs 1 partition      : {many / one:.2f}x (per repeat "
+          f"{min(ratios):.2f}x - {max(ratios):.2f}x)")
+    print(f"speed-up vs in-process 1 thr : {many / single:.2f}x; vs 2 threads "
+          f"{many / double:.2f}x")
     print(f"boundary bytes per step      : {crossed / 1e6:.2f} MB vs naive whole-activation "
           f"exchange {naive / 1e6:.2f} MB: ratio {crossed / naive:.3f}")
 
