@@ -153,12 +153,13 @@ def bench(name: str, argv: list[str]) -> int:
         found = sorted(p.stem for p in folder.glob("*.py")) if folder.is_dir() else []
         raise UserError(f"no benchmark {name!r} in {folder}: choose one of "
                         f"{', '.join(found) or '(none: run from a source checkout)'}")
-    saved = sys.argv
+    saved = sys.argv, list(sys.path)
     sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(folder))  # as `python bench/NAME.py` would: bench helpers import
     try:
         runpy.run_path(str(script), run_name="__main__")
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved
     return 0
 
 

@@ -1,0 +1,215 @@
+"""Time to a test accuracy: Downpour SGD vs synchronous data-parallel SGD (DDP) vs one process.
+
+Run: .venv/bin/python bench/sync.py [--workers 4] [--target 0.95] [--slow 2] [--repeats 3]
+     [--out runs/bench-sync]
+Same data (scikit-learn digits, the fixed 80/20 split of distbelief.data), same model (the
+CLI's 64-HIDDEN-10 MLP, same seed), same optimizer and learning rate (Adagrad, --lr), same
+mini-batch per worker (--batch-size), same sampling (data.ReplicaSampler: worker w owns every
+W-th row) and the same number of workers W for Downpour (W replicas, --shards shards) and
+PyTorch DistributedDataParallel over gloo on 127.0.0.1 (W processes from
+torch.multiprocessing.spawn); the single process runs W * --steps steps. Each variant runs
+as it is and with worker 0 slowed --slow times (it sleeps (F-1) x its own step time after
+every step, the same rule as Downpour's --slow-replica).
+
+Clocks start when every worker is ready and stop at the first evaluation reaching --target:
+Ray start-up and actor construction are excluded for Downpour (its clock starts at the run's
+"placement" event, logged once every shard and replica is constructed), process spawn and
+init_process_group for DDP (rank 0 starts after a barrier), model construction for the single
+process. Every method evaluates the whole test set every --eval-every seconds of wall time
+(Downpour: the driver, from the shards, while replicas run; DDP: rank 0 between steps).
+Prints times, the ratio Downpour/DDP with and without the straggler, and writes
+OUT/sync.json (accuracy curves) and OUT/figure4.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from distbelief import data, models
+from distbelief.data import ReplicaSampler, replica_indices
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """First elapsed time at which accuracy reached ``target`` (None if it never did)."""
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def single_process(args, slow: float) -> list[tuple[float, float]]:
+    """Plain SGD loop in this process: W * steps mini-batches, Adagrad on the whole model."""
+    torch.set_num_threads(1)
+    ds = data.digits()
+    model = models.mlp(ds.features, args.hidden, ds.classes, args.seed)
+    opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
+    x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
+    sampler = ReplicaSampler(replica_indices(len(x), 0, 1), args.batch_size, args.seed, 0)
+    loss_fn, curve = nn.CrossEntropyLoss(), []
+    start = next_eval = time.perf_counter()
+    for step in range(args.workers * args.steps):
+        began = time.perf_counter()
+        rows = torch.from_numpy(sampler.batch(step))
+        opt.zero_grad()
+        loss_fn(model(x[rows]), y[rows]).backward()
+        opt.step()
+        if slow > 1.0:
+            time.sleep((slow - 1.0) * (time.perf_counter() - began))
+        if time.perf_counter() >= next_eval:
+            curve.append((time.perf_counter() - start, accuracy(model, xt, yt)))
+            next_eval = time.perf_counter() + args.eval_every
+            if curve[-1][1] >= args.target and args.stop_at_target:
+                break
+    curve.append((time.perf_counter() - start, accuracy(model, xt, yt)))
+    return curve
+
+
+def ddp_worker(rank: int, args, slow: float, port: int, out: str) -> None:
+    """One DDP process: its own rows, gradients averaged by all-reduce every step."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.workers)
+    ds = data.digits()
+    model = nn.parallel.DistributedDataParallel(
+        models.mlp(ds.features, args.hidden, ds.classes, args.seed))
+    opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
+    x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
+    sampler = ReplicaSampler(replica_indices(len(x), rank, args.workers), args.batch_size,
+                             args.seed, rank)
+    loss_fn, curve = nn.CrossEntropyLoss(), []
+    factor = slow if rank == 0 else 1.0
+    dist.barrier()
+    start = next_eval = time.perf_counter()
+    stop = torch.zeros(1)
+    for step in range(args.steps):
+        began = time.perf_counter()
+        rows = torch.from_numpy(sampler.batch(step))
+        opt.zero_grad()
+        loss_fn(model(x[rows]), y[rows]).backward()
+        opt.step()
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * (time.perf_counter() - began))
+        if rank == 0 and time.perf_counter() >= next_eval:
+            curve.append((time.perf_counter() - start, accuracy(model.module, xt, yt)))
+            next_eval = time.perf_counter() + args.eval_every
+            stop[0] = float(args.stop_at_target and curve[-1][1] >= args.target)
+        if args.stop_at_target and step % 10 == 9:  # everyone stops at the same step
+            dist.broadcast(stop, 0)
+            if stop[0]:
+                break
+    if rank == 0:
+        curve.append((time.perf_counter() - start, accuracy(model.module, xt, yt)))
+        Path(out).write_text(json.dumps(curve))
+    dist.destroy_process_group()
+
+
+def ddp(args, slow: float) -> list[tuple[float, float]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "curve.json")
+        mp.spawn(ddp_worker, args=(args, slow, port, out), nprocs=args.workers, join=True)
+        return [tuple(p) for p in json.loads(Path(out).read_text())]
+
+
+def downpour(args, slow: float) -> list[tuple[float, float]]:
+    from distbelief import DownpourSGD
+
+    ds = data.digits()
+    trainer = DownpourSGD(models.mlp(ds.features, args.hidden, ds.classes, args.seed),
+                          replicas=args.workers, shards=args.shards, optimizer="adagrad",
+                          lr=args.lr, batch_size=args.batch_size, steps=args.steps,
+                          n_fetch=args.n_fetch, n_push=args.n_push, seed=args.seed,
+                          eval_every_s=args.eval_every,
+                          slow_replicas={0: slow} if slow > 1.0 else {})
+    result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+    return downpour_curve(result.events)
+
+
+def downpour_curve(events: list[dict]) -> list[tuple[float, float]]:
+    """(seconds since every actor was up, test accuracy) of a Downpour run's eval events."""
+    start = next(e["t"] for e in events if e["event"] == "placement")
+    return [(e["t"] - start, e["test_accuracy"]) for e in events
+            if e["event"] == "eval" and e["t"] >= start]
+
+
+def fmt(t: float | None) -> str:
+    return "   never" if t is None else f"{t:7.2f}s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=250, help="mini-batches per worker")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--n-fetch", type=int, default=1)
+    parser.add_argument("--n-push", type=int, default=1)
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--slow", type=float, default=2.0)
+    parser.add_argument("--eval-every", type=float, default=0.05, help="seconds")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-to-end", dest="stop_at_target", action="store_false",
+                        help="DDP and single process: run all steps instead of stopping at "
+                             "the target (Downpour always runs all its steps)")
+    parser.add_argument("--out", default="runs/bench-sync")
+    args = parser.parse_args()
+    methods = {"downpour": downpour, "ddp": ddp, "single": single_process}
+    times: dict[str, list[float | None]] = {}
+    curves: dict[str, list] = {}
+    for r in range(args.repeats):
+        for slow in (1.0, args.slow):
+            for name, run in methods.items():
+                key = name if slow == 1.0 else f"{name} slow0x{slow:g}"
+                curve = run(args, slow)
+                t = time_to(curve, args.target)
+                times.setdefault(key, []).append(t)
+                curves.setdefault(key, curve)
+                print(f"repeat {r} {key:<22} time to {args.target:.0%}: {fmt(t)}  "
+                      f"final acc {curve[-1][1]:.4f} at {curve[-1][0]:.2f}s", flush=True)
+    print(f"\nworkers={args.workers} shards={args.shards} batch={args.batch_size} "
+          f"lr={args.lr} n_fetch={args.n_fetch} n_push={args.n_push} hidden={args.hidden}")
+    med = {}
+    for key, ts in times.items():
+        done = [t for t in ts if t is not None]
+        med[key] = statistics.median(done) if len(done) == len(ts) else None
+        rng = f"[{min(done):.2f}-{max(done):.2f}]" if done else ""
+        print(f"{key:<22} median time to {args.target:.0%}: {fmt(med[key])} {rng} "
+              f"({len(done)}/{len(ts)} reached)")
+    for suffix, label in (("", "no straggler"), (f" slow0x{args.slow:g}", "worker 0 slowed")):
+        d, s, one = (med.get(f"{m}{suffix}") for m in ("downpour", "ddp", "single"))
+        if d and s:
+            print(f"{label:<16}: downpour/ddp = {d / s:.2f}" +
+                  (f", downpour/single = {d / one:.2f}, ddp/single = {s / one:.2f}"
+                   if one else ""))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sync.json").write_text(json.dumps({"args": vars(args), "times": times,
+                                               "curves": curves}, indent=1))
+    from figure4 import plot
+
+    print(f"wrote {out / 'sync.json'} and {plot(curves, out / 'figure4.png', args.target)}")
+
+
+if __name__ == "__main__":
+    main()
