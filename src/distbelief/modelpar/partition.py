@@ -833,12 +833,18 @@ class Executor:
 
     def _gather(self, values: Callable[[AnyPartition], dict[str, torch.Tensor]]
                 ) -> dict[str, torch.Tensor]:
-        full: dict[str, torch.Tensor] = {}
-        for part in self.partitions:
-            got = values(part)
-            for s in part.param_slices():
-                value = got[s.name]
-                if s.name not in full:
-                    full[s.name] = value.new_zeros(s.shape)
-                s.put(full[s.name], value)
-        return full
+        return gather_slices(self.plan, [values(part) for part in self.partitions])
+
+
+def gather_slices(plan: Plan, parts: Sequence[Mapping[str, torch.Tensor]]
+                  ) -> dict[str, torch.Tensor]:
+    """Full-shape tensors by model parameter name from each partition's slice values
+    (``parts[k]`` keyed by full name, shaped like partition ``k``'s slices)."""
+    full: dict[str, torch.Tensor] = {}
+    for k, got in enumerate(parts):
+        for s in plan.params(k):
+            value = got[s.name]
+            if s.name not in full:
+                full[s.name] = value.new_zeros(s.shape)
+            s.put(full[s.name], value)
+    return full

@@ -31,6 +31,7 @@ from distbelief.modelpar.partition import (
     ParamSlice,
     Plan,
     SpatialPartition,
+    gather_slices,
 )
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
@@ -286,15 +287,8 @@ class PartitionGroup:
     def gather(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Full-shape parameters and gradients by model name, from every partition's slices."""
         states = ray.get([w.state.remote() for w in self.workers])
-        params: dict[str, torch.Tensor] = {}
-        grads: dict[str, torch.Tensor] = {}
-        for k, (p, g) in enumerate(states):
-            for s in self.plan.params(k):
-                for full, part in ((params, p), (grads, g)):
-                    if s.name not in full:
-                        full[s.name] = part[s.name].new_zeros(s.shape)
-                    s.put(full[s.name], part[s.name])
-        return params, grads
+        return (gather_slices(self.plan, [p for p, _ in states]),
+                gather_slices(self.plan, [g for _, g in states]))
 
     def kill(self) -> None:
         for w in self.workers:

@@ -207,14 +207,8 @@ class ShardCore:
         """Add ``values`` (the concatenated gradient of ``ranges``) into what is staged under
         ``tag``, zeros elsewhere: the partitions of a model-parallel replica stage their own
         parameters' gradients one by one under one tag. False (and counted) if malformed."""
-        try:
-            index = self._index(ranges)
-        except ValueError:
-            self.rejected["range"] += 1
-            return False
-        reason = self.check_shape(values, (index.size,))
-        if reason is not None:
-            self.rejected[reason] += 1
+        index = self._checked_index(ranges, values)
+        if index is None:
             return False
         staged = self.staged.get(tag)
         if staged is None or not staged.flags.writeable:
@@ -238,14 +232,8 @@ class ShardCore:
         rejected and counted, as for :meth:`push`; ranges outside the slice count as
         ``range``.
         """
-        try:
-            index = self._index(ranges)
-        except ValueError:
-            self.rejected["range"] += 1
-            return False
-        reason = self.check_shape(grad, (index.size,))
-        if reason is not None:
-            self.rejected[reason] += 1
+        index = self._checked_index(ranges, grad)
+        if index is None:
             return False
         self.staleness[self.version - int(fetched_version)] += 1
         param = self.params[index]
@@ -257,6 +245,20 @@ class ShardCore:
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
         return True
+
+    def _checked_index(self, ranges: list[tuple[int, int]], values: object) -> np.ndarray | None:
+        """The element index of ``ranges`` if they lie in the slice and ``values`` is a finite
+        float array of matching length; else None, with the reason counted as a rejection."""
+        try:
+            index = self._index(ranges)
+        except ValueError:
+            self.rejected["range"] += 1
+            return None
+        reason = self.check_shape(values, (index.size,))
+        if reason is not None:
+            self.rejected[reason] += 1
+            return None
+        return index
 
     def _index(self, ranges: list[tuple[int, int]]) -> np.ndarray:
         n = self.params.size
