@@ -154,7 +154,14 @@ def test_sigterm_checkpoints_and_leaves_no_ray_processes(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and '"step"' in metrics.read_text()):
+    def stepped() -> set[int]:
+        """Replicas with a step logged (metrics.jsonl is line-buffered, so events show at
+        once; a replica's steps are logged when its checkpointed position moves on)."""
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        events = [json.loads(line) for line in lines if line.endswith("}")]
+        return {e["replica"] for e in events if e["event"] == "step"}
+
+    while time.time() < deadline and stepped() != {0, 1}:
         time.sleep(0.2)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "Ray processes should be running under the driver"
