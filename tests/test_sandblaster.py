@@ -75,6 +75,7 @@ def test_backup_copies_count_every_portion_exactly_once(digits):
     want_loss, want_grad = full_batch_reference(model, digits.x_train, digits.y_train)
     rig = Rig(model, digits.x_train, digits.y_train, slow={0: 30.0})
     try:
+        ray.get([a.where.remote() for a in rig.actors])  # every replica up before batch 1
         for _ in range(3):
             loss = rig.runner.run("x", "g")
             np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
