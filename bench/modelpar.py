@@ -2,8 +2,8 @@
 
 Run: .venv/bin/python bench/modelpar.py [--partitions 2] [--steps 12] [--size 32]
 
-One model (two 5x5 locally connected layers of 16 channels over a 32x32 image, untied
-weights, and a linear readout: about 8 M parameters, so compute dominates a step) runs
+One model (two 5x5 locally connected layers of 32 channels over a 32x32 image, untied
+weights, and a linear readout: about 30 M parameters, so compute dominates a step) runs
 forward + backward + a local SGD update on batches of 32, in the same Ray session:
 - 1 partition actor (the whole model in one actor, one torch thread, like a replica), and
 - K partition actors of the spatial plan (each owns a block of rows of every layer and
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--size", type=int, default=32, help="image side")
-    parser.add_argument("--channels", type=int, default=16)
+    parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--kernel", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-cpus", type=int, default=2)

@@ -19,6 +19,7 @@ from distbelief.modelpar.partition import (
     LCLayer,
     SpatialPartition,
     _balance,
+    pass_schedule,
     plan_layerwise,
     plan_spatial,
 )
@@ -349,6 +350,31 @@ def test_named_sequential_keys_become_parameter_names():
 def test_plan_spatial_rejects_what_it_cannot_split(build, message):
     with pytest.raises(UserError, match=message):
         plan_spatial(build(), 4)
+
+
+@pytest.mark.parametrize("make_plan", [
+    lambda: plan_spatial(lc1d_stack()[0], 3),
+    lambda: plan_spatial(lc2d_stack()[0], (2, 2)),
+    lambda: plan_spatial(lc2d_stack(readout=False)[0], 2),
+    lambda: plan_layerwise(mixed_stack()[0], 3, mixed_stack()[1].shape[1:]),
+])
+def test_pass_schedule_never_makes_a_round_wait_on_itself(make_plan):
+    """Every call of a pass is fed only by calls of earlier rounds, submitted before it, so
+    the calls of one round can run at the same time on different partitions (the Ray group
+    submits in this order; the executor tests above prove it delivers every message)."""
+    plan = make_plan()
+    for rounds in (list(range(plan.rounds)), list(range(plan.rounds - 1, -1, -1))):
+        schedule = pass_schedule(plan, rounds)
+        position = {(r, k): i for i, (r, k, _) in enumerate(schedule)}
+        assert [(r, k) for r, k, _ in schedule] == [(r, k) for r in rounds
+                                                    for k in plan.active(r)]
+        for r, k, senders in schedule:
+            for sr, sk in senders:
+                assert rounds.index(sr) < rounds.index(r) and sk != k
+                assert position[sr, sk] < position[r, k]
+        # each sender's output reaches each other partition's next call after it, once
+        fed = [(s, k) for _, k, senders in schedule for s in senders]
+        assert len(fed) == len(set(fed))
 
 
 # ------------------------------------------------------------------------------------------

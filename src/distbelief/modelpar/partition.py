@@ -733,6 +733,28 @@ class SpatialPartition(_Partition):
                 for k in range(1, self.plan.num_partitions)]
 
 
+def pass_schedule(plan: Plan, rounds: Sequence[int]
+                  ) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
+    """The calls of one pass, in submission order: ``(round, partition, senders)``, where
+    ``senders`` are the earlier calls ``(round, partition)`` whose messages to this partition
+    are handed to this call (it keeps those meant for later rounds).
+
+    Each call gets what other partitions' calls sent since its own previous call, and only
+    from earlier rounds: what a round sends is always for a later round, and handing it to
+    another partition's call in the same round would make the two wait for each other.
+    """
+    schedule, pending = [], defaultdict(list)
+    for r in rounds:
+        active = plan.active(r)
+        for k in active:
+            schedule.append((r, k, tuple(pending.pop(k, []))))
+        for k in active:
+            for dst in range(plan.num_partitions):
+                if dst != k:
+                    pending[dst].append((r, k))
+    return schedule
+
+
 # ------------------------------------------------------------------------------------------
 # In-process executor
 
@@ -771,11 +793,15 @@ class Executor:
 
     def _run(self, messages: list[Message], rounds: Sequence[int], backward: bool
              ) -> list[Message]:
-        """Deliver ``messages``, call every partition once per round, return the driver's."""
+        """Deliver ``messages`` and make the calls of :func:`pass_schedule` (the order a
+        :class:`~distbelief.modelpar.worker.PartitionGroup` submits them in, each call fed
+        only what its senders sent it); return the driver's messages."""
         inbox: dict[tuple[int, int], list[Message]] = defaultdict(list)
         to_driver: list[Message] = []
 
-        def post(sent: list[Message], now: int) -> None:
+        def post(sent: list[Message], now: int) -> dict[int, list[Message]]:
+            """Check and count what one call sent; keep its own; the rest by destination."""
+            out: dict[int, list[Message]] = defaultdict(list)
             for m in sent:
                 if m.dst == DRIVER:
                     to_driver.append(m)
@@ -783,20 +809,30 @@ class Executor:
                 if (m.layer - now) * direction <= 0:  # so that one round's calls could run at once
                     raise RuntimeError(f"partition {m.src} sent a message for round {m.layer} "
                                        f"in round {now}")
-                inbox[m.layer, m.dst].append(m)
-                if m.src not in (DRIVER, m.dst):
+                if m.src == m.dst:
+                    inbox[m.layer, m.dst].append(m)
+                    continue
+                out[m.dst].append(m)
+                if m.src != DRIVER:
                     self.traffic.messages += 1
                     if backward:
                         self.traffic.backward_bytes += m.nbytes
                     else:
                         self.traffic.forward_bytes += m.nbytes
+            return out
 
         direction = -1 if backward else 1
-        post(messages, rounds[0] - direction)
-        for r in rounds:
-            for part in self.partitions:
-                step = part.backward if backward else part.forward
-                post(step(r, inbox.pop((r, part.index), [])), r)
+        first = post(messages, rounds[0] - direction)
+        sent: dict[tuple[int, int], dict[int, list[Message]]] = {}
+        for r, k, senders in pass_schedule(self.plan, rounds):
+            for m in first.pop(k, []) + [m for s in senders for m in sent[s].pop(k, [])]:
+                inbox[m.layer, k].append(m)
+            part = self.partitions[k]
+            step = part.backward if backward else part.forward
+            sent[r, k] = post(step(r, inbox.pop((r, k), [])), r)
+        undelivered = [m for out in sent.values() for ms in out.values() for m in ms]
+        if undelivered or any(inbox.values()):
+            raise RuntimeError("a partition message was never delivered to its round")
         return to_driver
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from distbelief.modelpar.partition import (
     Plan,
     SpatialPartition,
     gather_slices,
+    pass_schedule,
 )
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
@@ -236,20 +237,19 @@ class PartitionGroup:
             for k in range(self.k)]
 
     def _pass(self, kind: str, messages: list[Message], rounds: Sequence[int]) -> list:
-        """Submit every round's calls, each fed the references to what was sent to it; return
-        the references to what was sent to the driver. Nothing is waited for here."""
-        pending: dict[int, list] = defaultdict(list)
+        """Submit every call of the pass in :func:`pass_schedule` order, each fed the driver's
+        messages for it and references to what earlier calls sent it; return the references
+        to what was sent to the driver. Nothing is waited for here."""
+        first: dict[int, list] = defaultdict(list)
         for m in messages:
-            pending[m.dst].append([m])  # one tiny list per message, passed by value
-        to_driver = []
-        for r in rounds:
-            for k in self.plan.active(r):
-                refs = self.workers[k].round.options(num_returns=self.k + 1).remote(
-                    kind, r, *pending.pop(k, []))
-                for dst in range(self.k):
-                    if dst != k:
-                        pending[dst].append(refs[dst])
-                to_driver.append(refs[self.k])
+            first[m.dst].append([m])  # one tiny list per message, passed by value
+        outputs, to_driver = {}, []
+        for r, k, senders in pass_schedule(self.plan, rounds):
+            received = first.pop(k, []) + [outputs[s][k] for s in senders]
+            refs = self.workers[k].round.options(num_returns=self.k + 1).remote(
+                kind, r, *received)
+            outputs[r, k] = refs
+            to_driver.append(refs[self.k])
         return to_driver
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
