@@ -34,23 +34,25 @@ SEGMENT_STEPS = 10  # steps a replica runs per driver call; small keeps the driv
 MAX_RESTARTS = 3  # per replica, before it is dropped and the others carry on
 
 
-@ray.remote
-class DownpourReplica:
-    """One model replica: fetch every ``n_fetch`` steps, push every ``n_push`` steps."""
+class ReplicaLoop:
+    """What every kind of Downpour replica shares (dense, sparse, model-parallel): its data
+    shard and sampler, the fetch/push schedule, the local update between fetches, the
+    straggler slow-down and the step events. A kind supplies ``_fetch`` (start or do the
+    fetch; return extra event fields), ``_step(rows)`` (forward, backward, accrue; the loss),
+    ``_end_step(push, local)`` (push if ``push``; apply the step's gradient locally with plain
+    SGD if ``local``), ``_versions``, ``finish`` and ``counters``.
+    """
 
-    def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
-                 shards: list, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
-                 start_step: int = 0, shard_names: list[str] | None = None) -> None:
+    event_fields: dict = {}  # extra fields of an event whose step did not fetch
+
+    def _setup(self, index: int, cfg: TrainConfig, loss_fn: nn.Module, n_rows: int,
+               y: np.ndarray, start_step: int) -> None:
         torch.set_num_threads(1)
         self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
-        self.flat = FlatModel(model, plan)
-        self.client = PSClient(shards, plan, replica=index, names=shard_names,
-                               grad_dtype=cfg.grad_dtype)
-        rows = replica_indices(len(x), index, cfg.replicas)
+        rows = replica_indices(n_rows, index, cfg.replicas)
         self.sampler = ReplicaSampler(rows, cfg.batch_size, cfg.seed, index)
-        self.x, self.y = torch.from_numpy(np.asarray(x)), torch.from_numpy(np.asarray(y))
+        self.y = torch.from_numpy(np.asarray(y))
         self.step = start_step
-        self.accrued = torch.zeros_like(self.flat.grad) if cfg.n_push > 1 else None
         self.since_push = 0
         self.slow = float(cfg.slow_replicas.get(index, 1.0))
 
@@ -59,33 +61,87 @@ class DownpourReplica:
 
     def run(self, n_steps: int) -> dict:
         """Run ``n_steps`` steps; returns their events and this replica's counters."""
-        cfg, flat, events = self.cfg, self.flat, []
+        cfg, events = self.cfg, []
         for _ in range(n_steps):
             began = time.perf_counter()
             fetched = self.step % cfg.n_fetch == 0
-            if fetched:
-                self.client.fetch_into(flat.flat_np)
-            rows = torch.from_numpy(self.sampler.batch(self.step))
-            flat.zero_grad()
-            loss = self.loss_fn(flat.model(self.x[rows]), self.y[rows])
-            loss.backward()
-            flat.sync_grads()
-            if self.accrued is not None:
-                self.accrued += flat.grad
+            fields = self._fetch() if fetched else self.event_fields
+            loss = self._step(self.sampler.batch(self.step))
             self.since_push += 1
             pushed = self.since_push == cfg.n_push
             if pushed:
-                self._push()
-            if cfg.local_update and (self.step + 1) % cfg.n_fetch != 0:
-                with torch.no_grad():
-                    flat.flat.add_(flat.grad, alpha=-cfg.lr)
+                self.since_push = 0
+            self._end_step(pushed, cfg.local_update and (self.step + 1) % cfg.n_fetch != 0)
             if self.slow > 1.0:
                 time.sleep((self.slow - 1.0) * (time.perf_counter() - began))
             events.append({"t": time.time(), "replica": self.index, "step": self.step,
-                           "loss": float(loss), "versions": list(self.client.versions),
-                           "fetched": fetched, "pushed": pushed})
+                           "loss": loss, "versions": self._versions(),
+                           "fetched": fetched, "pushed": pushed, **fields})
             self.step += 1
-        return {"events": events, "step": self.step, **self.counters()}
+        return {"events": events, "step": self.step, **self._after_run(events)}
+
+    def _after_run(self, events: list[dict]) -> dict:
+        """This replica's counters after a run (a kind may also annotate the events)."""
+        return self.counters()
+
+
+class DenseLoop(ReplicaLoop):
+    """A replica loop whose dense parameters are one flat buffer (:class:`FlatModel`), fetched
+    and pushed whole through a :class:`PSClient`."""
+
+    def _setup_dense(self, model: nn.Module, plan: ShardPlan, client: PSClient) -> None:
+        self.flat, self.client = FlatModel(model, plan), client
+        self.accrued = torch.zeros_like(self.flat.grad) if self.cfg.n_push > 1 else None
+
+    def _backward(self, loss: torch.Tensor) -> float:
+        """Back-propagate ``loss`` into the flat gradient and accrue it; the loss."""
+        loss.backward()
+        self.flat.sync_grads()
+        if self.accrued is not None:
+            self.accrued += self.flat.grad
+        return float(loss)
+
+    def _end_step(self, push: bool, local: bool) -> None:
+        if push:
+            self._push()
+        if local:
+            self._local_update()
+
+    def _local_update(self) -> None:
+        with torch.no_grad():
+            self.flat.flat.add_(self.flat.grad, alpha=-self.cfg.lr)
+
+    def _versions(self) -> list[int]:
+        return list(self.client.versions)
+
+    def _push(self) -> None:
+        grad = self.accrued if self.accrued is not None else self.flat.grad
+        self.client.push(grad.numpy())
+        if self.accrued is not None:
+            self.accrued.zero_()
+        self.since_push = 0
+
+
+@ray.remote
+class DownpourReplica(DenseLoop):
+    """One model replica: fetch every ``n_fetch`` steps, push every ``n_push`` steps."""
+
+    def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
+                 shards: list, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
+                 start_step: int = 0, shard_names: list[str] | None = None) -> None:
+        self._setup(index, cfg, loss_fn, len(x), y, start_step)
+        self._setup_dense(model, plan, PSClient(shards, plan, replica=index, names=shard_names,
+                                                grad_dtype=cfg.grad_dtype))
+        self.x = torch.from_numpy(np.asarray(x))
+
+    def _fetch(self) -> dict:
+        self.client.fetch_into(self.flat.flat_np)
+        return {}
+
+    def _step(self, rows: np.ndarray) -> float:
+        rows = torch.from_numpy(rows)
+        self.flat.zero_grad()
+        return self._backward(self.loss_fn(self.flat.model(self.x[rows]), self.y[rows]))
 
     def finish(self) -> dict:
         """Push what is still accrued and wait until every shard has applied it."""
@@ -99,13 +155,6 @@ class DownpourReplica:
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
                 "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
                 "retried": c.retried}
-
-    def _push(self) -> None:
-        grad = self.accrued if self.accrued is not None else self.flat.grad
-        self.client.push(grad.numpy())
-        if self.accrued is not None:
-            self.accrued.zero_()
-        self.since_push = 0
 
 
 class DownpourSGD(Trainer):

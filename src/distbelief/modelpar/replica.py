@@ -21,79 +21,65 @@ from torch import nn
 
 from distbelief import cluster
 from distbelief.config import TrainConfig
-from distbelief.data import ReplicaSampler, replica_indices
+from distbelief.downpour import ReplicaLoop
 from distbelief.modelpar.partition import Plan
 from distbelief.modelpar.worker import PartitionGroup
 from distbelief.ps.plan import ShardPlan
 
 
 @ray.remote
-class ModelParallelReplica:
+class ModelParallelReplica(ReplicaLoop):
     """One model replica split over ``partition_plan.num_partitions`` partition actors."""
 
     def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
                  shards: list, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
                  start_step: int = 0, partition_plan: Plan | None = None) -> None:
-        torch.set_num_threads(1)
-        self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
+        self._setup(index, cfg, loss_fn, len(x), y, start_step)
         self.plan = partition_plan
         self.group = PartitionGroup(model, partition_plan, plan, shards, replica=index)
-        rows = replica_indices(len(x), index, cfg.replicas)
-        self.sampler = ReplicaSampler(rows, cfg.batch_size, cfg.seed, index)
-        self.x, self.y = torch.from_numpy(np.asarray(x)), torch.from_numpy(np.asarray(y))
-        self.step = start_step
-        self.since_push = 0
+        self.x = torch.from_numpy(np.asarray(x))
         self.fetches = self.pushes = 0
         self.versions = [0] * plan.shards
-        self.slow = float(cfg.slow_replicas.get(index, 1.0))
+        self.fetch_refs: list = []
         self.bytes_sent = 0
-
-    def where(self) -> str:
-        return cluster.node_id()
 
     def partitions(self) -> list:
         """The partition actors' handles (for tools and fault tests)."""
         return list(self.group.workers)
 
-    def run(self, n_steps: int) -> dict:
-        """Run ``n_steps`` steps; returns their events and this replica's counters.
+    def _fetch(self) -> dict:
+        self.fetch_refs = self.group.fetch()  # each partition, before its next round
+        return {}
 
-        Each event carries ``boundary_bytes``: the bytes that crossed partition boundaries per
-        step over this call (activations up plus gradients down), and ``naive_bytes``: what
-        exchanging whole activations would have sent instead.
-        """
-        cfg, events = self.cfg, []
-        for _ in range(n_steps):
-            began = time.perf_counter()
-            fetched = self.step % cfg.n_fetch == 0
-            fetch_refs = self.group.fetch() if fetched else []
-            rows = torch.from_numpy(self.sampler.batch(self.step))
-            y = self.y[rows]
-            loss = self.group.step(self.x[rows], lambda out, y=y: self.loss_fn(out, y))
-            if fetch_refs:  # done before the forward pass could start, so no wait here
-                self.fetches += 1
-                for versions in ray.get(fetch_refs):
-                    self.versions = [max(a, b) for a, b in zip(self.versions, versions)]
-            self.since_push += 1
-            pushed = self.since_push == cfg.n_push
-            if pushed:
-                self.pushes += 1
-                self.since_push = 0
-            local = cfg.local_update and (self.step + 1) % cfg.n_fetch != 0
-            self.group.end_step(pushed, cfg.lr if local else None)
-            if self.slow > 1.0:
-                time.sleep((self.slow - 1.0) * (time.perf_counter() - began))
-            events.append({"t": time.time(), "replica": self.index, "step": self.step,
-                           "loss": loss, "versions": list(self.versions),
-                           "fetched": fetched, "pushed": pushed})
-            self.step += 1
+    def _step(self, rows: np.ndarray) -> float:
+        rows = torch.from_numpy(rows)
+        y = self.y[rows]
+        loss = self.group.step(self.x[rows], lambda out: self.loss_fn(out, y))
+        if self.fetch_refs:  # done before the forward pass could start, so no wait here
+            self.fetches += 1
+            for versions in ray.get(self.fetch_refs):
+                self.versions = [max(a, b) for a, b in zip(self.versions, versions)]
+            self.fetch_refs = []
+        return loss
+
+    def _end_step(self, push: bool, local: bool) -> None:
+        self.pushes += int(push)
+        self.group.end_step(push, self.cfg.lr if local else None)
+
+    def _versions(self) -> list[int]:
+        return list(self.versions)
+
+    def _after_run(self, events: list[dict]) -> dict:
+        """Counters; each event gets ``boundary_bytes``, the bytes that crossed partition
+        boundaries per step over this run (activations up plus gradients down), and
+        ``naive_bytes``, what exchanging whole activations would have sent instead."""
         counters = self.counters()  # also waits for the last step's pushes to be sent
-        per_step = (counters["boundary_bytes"] - self.bytes_sent) / max(1, n_steps)
+        per_step = (counters["boundary_bytes"] - self.bytes_sent) / max(1, len(events))
         self.bytes_sent = counters["boundary_bytes"]
-        naive = self.plan.naive_bytes(cfg.batch_size, 4)
+        naive = self.plan.naive_bytes(self.cfg.batch_size, 4)
         for e in events:
             e["boundary_bytes"], e["naive_bytes"] = per_step, naive
-        return {"events": events, "step": self.step, **counters}
+        return counters
 
     def finish(self) -> dict:
         """Every partition pushes what it still accrued and waits until it is applied."""
