@@ -1,5 +1,7 @@
 """Row-sparse tables, the SparseEmbedding module and the ctr data, without Ray."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -268,3 +270,61 @@ def test_ctr_npz_loads_and_splits(tmp_path):
     assert data.truth_auc() is None
     with pytest.raises(UserError, match="no such file"):
         ctr_from_npz(str(tmp_path / "missing.npz"), rows=40)
+
+
+def test_shard_save_and_restore_carry_rows_rule_state_and_version_exactly(tmp_path):
+    specs = [TableSpec("deep", 500, 4, 0.1, 3), TableSpec("wide", 500, 1, 0.0, 3)]
+    gen = np.random.default_rng(0)
+
+    def pushes(shard, n):
+        for _ in range(n):
+            rows = gen.integers(0, 250, 40) * 2 + 1  # shard 1 of 2 owns the odd rows
+            request = {s.name: (rows, gen.normal(size=(40, s.dim)).astype(np.float32))
+                       for s in specs}
+            assert shard.push(request, shard.version) is None
+
+    original = EmbeddingShardCore(1, 2, specs, "adagrad", 0.1)
+    pushes(original, 5)
+    path = tmp_path / "rows.safetensors"
+    assert original.save(str(path)) == 5
+    from distbelief.checkpoint import load_arrays
+
+    copy = EmbeddingShardCore(1, 2, specs, "adagrad", 0.1,
+                              restored={"arrays": load_arrays(path), "version": 5})
+    assert copy.version == 5
+    for s in specs:
+        a, b = original.tables[s.name].snapshot(), copy.tables[s.name].snapshot()
+        assert set(a) == {"rows", "values", "accumulator"} == set(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    gen = np.random.default_rng(1)  # the same further pushes to both: Adagrad state carried
+    pushes(original, 3)
+    gen = np.random.default_rng(1)
+    pushes(copy, 3)
+    rows = np.arange(1, 500, 2)
+    for s in specs:
+        np.testing.assert_array_equal(original.tables[s.name].fetch(rows),
+                                      copy.tables[s.name].fetch(rows))
+
+
+def test_restore_refuses_rows_of_another_model_shard_or_rule_and_changes_nothing(tmp_path):
+    specs = [TableSpec("deep", 100, 2, 0.1, 0)]
+    shard = EmbeddingShardCore(0, 2, specs, "adagrad", 0.1)
+    shard.push({"deep": (np.array([0, 2]), np.ones((2, 2), np.float32))}, 0)
+    good = {f"deep/{k}": v for k, v in shard.tables["deep"].snapshot().items()}
+    before = shard.tables["deep"].snapshot()
+    cases = [
+        ({**good, "other/rows": good["deep/rows"]}, "not a table of this model"),
+        ({**good, "deep/rows": np.array([1, 2])}, "row 1 belongs to shard 1"),
+        ({**good, "deep/rows": np.array([2, 0])}, "sorted unique int64"),
+        ({k: v for k, v in good.items() if k != "deep/accumulator"}, "lacks ['accumulator']"),
+        ({**good, "deep/values": np.ones((2, 3), np.float32)}, "need float32 (2, 2)"),
+        ({**good, "deep/values": np.full((2, 2), np.nan, np.float32)}, "NaN or inf"),
+    ]
+    for arrays, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            shard.restore(arrays, 7)
+        assert shard.version == 1
+        after = shard.tables["deep"].snapshot()
+        for key in before:
+            np.testing.assert_array_equal(before[key], after[key])

@@ -1,6 +1,8 @@
 """Row-sparse embedding shards, the client and sparse Downpour on a real embedded Ray."""
 
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -135,7 +137,7 @@ BAD = [
     (["--dataset", "ctr", "--algorithm", "sandblaster"], "trains with --algorithm downpour"),
     (["--dataset", "ctr", "--samples", "5"], "--samples 5 is too few for ctr"),
     (["--dataset", "ctr", "--partitions", "2"], "--partitions > 1 does not work with sparse"),
-    (["--dataset", "ctr", "--resume", "/nonexistent"], "--resume does not restore sparse"),
+    (["--dataset", "ctr", "--resume", "/nonexistent"], "no checkpoint found"),
     (["--dataset", "ctr", "--shards", "99999"], "--shards 99999 exceeds the model's"),
 ]
 
@@ -161,3 +163,89 @@ def test_bad_ctr_npz_is_one_line_exit_2(tmp_path, capsys):
                  "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "pass --rows 51 or more" in err[0]
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints of the embedding rows: resume, a killed row shard, damaged files
+
+
+def ctr_trainer(data, run_dir=None, steps=40, resume=None, every=0.0):
+    model = WideAndDeep(data.rows, data.fields, hidden=8, seed=1)
+    return SparseDownpourSGD(model, replicas=2, shards=2, batch_size=256, steps=steps, lr=0.1,
+                             seed=3, run_dir=run_dir, resume=resume, checkpoint_every_s=every)
+
+
+def fit(trainer, data):
+    return trainer.fit(data.ids_train, data.y_train, data.ids_test, data.y_test)
+
+
+def row_state(result):
+    return [(s["version"], {t: v["materialized"] for t, v in s["tables"].items()})
+            for s in result.sparse_stats]
+
+
+@pytest.fixture(scope="module")
+def clicks():
+    return synthetic_ctr(20_000, rows=3_000, seed=2)
+
+
+def test_resume_restores_every_row_its_rule_state_and_version(ray_local, clicks, tmp_path):
+    run = str(tmp_path / "run")
+    first = fit(ctr_trainer(clicks, run), clicks)
+    files = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert "000001-rowshard0.safetensors" in files and "000001-rowshard1.safetensors" in files
+    # nothing left to train: the resumed tables and dense slices are exactly the first run's
+    same = fit(ctr_trainer(clicks, run, resume=run), clicks)
+    assert row_state(same) == row_state(first)
+    assert same.test_auc == first.test_auc
+    # more steps continue from there: each row shard's version goes on from the checkpoint's
+    more = fit(ctr_trainer(clicks, run, steps=60, resume=run), clicks)
+    for (v_more, _), (v_first, _) in zip(row_state(more), row_state(first)):
+        assert v_more == v_first + 2 * 20  # 2 replicas x 20 more steps, one push each
+    assert more.test_auc > 0.6
+
+
+def test_damaged_or_foreign_row_checkpoints_are_one_line_errors_and_left_alone(
+        ray_local, clicks, tmp_path):
+    run = tmp_path / "run"
+    fit(ctr_trainer(clicks, str(run), steps=5), clicks)
+    rows_file = run / "checkpoints" / "000001-rowshard1.safetensors"
+    other = synthetic_ctr(20_000, rows=4_000, seed=2)
+    with pytest.raises(UserError, match="resume with the --rows and model of the run"):
+        fit(ctr_trainer(other, str(run), resume=str(run)), other)
+    for damage in (lambda b: b[: len(b) // 2], lambda b: b"\0" * len(b)):
+        good = rows_file.read_bytes()
+        rows_file.write_bytes(damage(good))
+        bad = rows_file.read_bytes()
+        with pytest.raises(UserError, match="000001-rowshard1.safetensors") as err:
+            fit(ctr_trainer(clicks, str(run), resume=str(run)), clicks)
+        assert "\n" not in str(err.value)
+        assert rows_file.read_bytes() == bad  # untouched
+        rows_file.write_bytes(good)
+
+
+def test_killed_row_shard_is_restored_from_its_checkpoint_and_auc_holds(ray_local, clicks,
+                                                                        tmp_path):
+    unfaulted = fit(ctr_trainer(clicks, steps=150), clicks)
+    trainer = ctr_trainer(clicks, str(tmp_path / "run"), steps=150, every=0.3)
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(r=fit(trainer, clicks)))
+    thread.start()
+    while trainer._checkpoints < 1 and thread.is_alive():
+        time.sleep(0.02)
+    victim = ray.get_actor(trainer.actor_name("rowshard", 1))
+    time.sleep(0.2)  # it applies more pushes after that checkpoint, then dies
+    ray.kill(victim)
+    thread.join(timeout=300)
+    result = outcome["r"]
+    by = {name: [e for e in result.events if e["event"] == name]
+          for name in ("row_shard_failed", "row_shard_restored", "checkpoint")}
+    assert [e["shard"] for e in by["row_shard_failed"]] == [1]
+    [restored] = by["row_shard_restored"]
+    before = [e for e in by["checkpoint"] if e["t"] < by["row_shard_failed"][0]["t"]][-1]
+    assert restored["shard"] == 1 and restored["checkpoint"] == before["number"]
+    assert restored["version"] == before["row_shards"][1]["version"] > 0
+    steps = [e for e in result.events if e["event"] == "step"]
+    assert {r: max(e["step"] for e in steps if e["replica"] == r) for r in (0, 1)} == \
+        {0: 149, 1: 149}
+    assert abs(result.test_auc - unfaulted.test_auc) <= 0.01

@@ -49,8 +49,10 @@ MANIFEST = "checkpoint-{:06d}.json"
 KEEP = 2  # complete checkpoints kept in a run folder
 
 
-def shard_file(run_dir: Path, number: int, shard: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"{number:06d}-shard{shard}.safetensors"
+def shard_file(run_dir: Path, number: int, shard: int, kind: str = "shard") -> Path:
+    """Shard ``shard``'s file of checkpoint ``number`` (``kind="rowshard"``: its embedding
+    rows)."""
+    return Path(run_dir) / "checkpoints" / f"{number:06d}-{kind}{shard}.safetensors"
 
 
 def write_manifest(run_dir: Path, number: int, versions: Sequence[int], plan,
@@ -77,7 +79,7 @@ def write_manifest(run_dir: Path, number: int, versions: Sequence[int], plan,
     os.replace(tmp, path)
     for old in sorted(folder.glob("checkpoint-*.json"))[:-KEEP]:
         number_old = int(old.stem.split("-")[1])
-        for f in folder.glob(f"{number_old:06d}-shard*.safetensors"):
+        for f in folder.glob(f"{number_old:06d}-*.safetensors"):
             f.unlink(missing_ok=True)
         old.unlink(missing_ok=True)
     return path

@@ -291,6 +291,8 @@ class DownpourSGD(Trainer):
                         log.log("replica_failed", replica=i, step=done[i], restarts=restarts[i],
                                 error=type(err).__name__)
                         ray.kill(replicas[i])  # a task error (a dead partition) leaves it up
+                        if self.restores_shards:  # it may have died of a dead shard
+                            self._revive_shards(log, shards)
                         if restarts[i] > MAX_RESTARTS:
                             replicas.pop(i)
                         else:

@@ -7,6 +7,7 @@ replica's fetch or push costs one round trip per shard however many tables the m
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 
@@ -25,7 +26,7 @@ class EmbeddingShardCore:
     """
 
     def __init__(self, shard: int, shards: int, specs: list[TableSpec], optimizer: str,
-                 lr: float, momentum: float = 0.9) -> None:
+                 lr: float, momentum: float = 0.9, restored: dict | None = None) -> None:
         rule = make_rule(optimizer, lr, momentum)
         self.shard_id, self.shards = shard, shards
         self.tables = {s.name: RowTable(s, rule, shard, shards) for s in specs}
@@ -35,6 +36,37 @@ class EmbeddingShardCore:
         self.staleness: Counter[int] = Counter()
         self.pushes_by_replica: Counter[int] = Counter()
         self.last_rejection: str | None = None
+        if restored is not None:
+            self.restore(restored["arrays"], restored["version"])
+
+    def save(self, path: str) -> int:
+        """Write every table's materialised rows, values and rule state, and the version, to
+        ``path`` atomically (safetensors: ``TABLE/rows``, ``TABLE/values``, ``TABLE/STATE``);
+        the version."""
+        from distbelief.checkpoint import save_arrays
+
+        arrays = {f"{name}/{key}": a for name, table in self.tables.items()
+                  for key, a in table.snapshot().items()}
+        save_arrays(path, arrays, {"version": str(self.version), "shard": str(self.shard_id),
+                                   "tables": json.dumps(sorted(self.tables))})
+        return self.version
+
+    def restore(self, arrays: dict[str, np.ndarray], version: int) -> None:
+        """Load what :meth:`save` wrote; raises ``ValueError`` (one line) for arrays of other
+        tables, rows of another shard or another update rule, changing nothing then."""
+        parts: dict[str, dict[str, np.ndarray]] = {name: {} for name in self.tables}
+        for key, a in arrays.items():
+            name, _, field = key.rpartition("/")
+            if name not in parts:
+                raise ValueError(f"the row checkpoint holds {key!r}, not a table of this model "
+                                 f"({sorted(self.tables)})")
+            parts[name][field] = a
+        fresh = {}
+        for name, table in self.tables.items():
+            copy = RowTable(table.spec, table.rule, table.shard, table.shards)
+            copy.restore(parts[name])
+            fresh[name] = copy
+        self.tables, self.version = fresh, int(version)
 
     def fetch(self, request: dict[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
         """Current version and the values ``(n, dim)`` of each named table's rows ``(n,)``.

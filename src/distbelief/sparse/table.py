@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,6 +193,40 @@ class RowTable:
             raise ValueError(problem[1])
         slots = self._materialize(rows)
         self.values[slots] = values
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Materialised rows (sorted int64 ``(m,)``), their values and each rule state
+        ``(m, dim)``, as copies: what a checkpoint needs to rebuild this table exactly."""
+        rows = np.fromiter(self.slots.keys(), dtype=np.int64, count=len(self.slots))
+        slots = np.fromiter(self.slots.values(), dtype=np.int64, count=len(self.slots))
+        order = np.argsort(rows)
+        rows, slots = rows[order], slots[order]
+        return {"rows": rows, "values": self.values[slots].copy(),
+                **{name: v[slots].copy() for name, v in self.state.items()}}
+
+    def restore(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Replace every row with a :meth:`snapshot`'s; raises ``ValueError`` (one line) for
+        a snapshot of another table, shard or update rule, leaving the table as it was."""
+        name, dim = self.spec.name, self.spec.dim
+        missing = {"rows", "values", *self.state} - set(arrays)
+        if missing:
+            raise ValueError(f"table {name!r}: the snapshot lacks {sorted(missing)}")
+        rows = arrays["rows"]
+        if rows.dtype != np.int64 or rows.ndim != 1 or np.any(np.diff(rows) <= 0):
+            raise ValueError(f"table {name!r}: snapshot rows must be sorted unique int64")
+        problem = self.check_rows(rows)
+        if problem is not None:
+            raise ValueError(problem[1])
+        for key in ("values", *self.state):
+            a = arrays[key]
+            if a.dtype != np.float32 or a.shape != (rows.size, dim):
+                raise ValueError(f"table {name!r}: snapshot {key} has {a.dtype} {a.shape}, "
+                                 f"need float32 ({rows.size}, {dim})")
+            if not np.isfinite(a).all():
+                raise ValueError(f"table {name!r}: snapshot {key} holds NaN or inf")
+        self.slots = dict(zip(rows.tolist(), range(rows.size)))
+        self.values = np.array(arrays["values"], dtype=np.float32)
+        self.state = {k: np.array(arrays[k], dtype=np.float32) for k in self.state}
 
     def check_grads(self, rows: np.ndarray, grads: object) -> tuple[str, str] | None:
         name = self.spec.name

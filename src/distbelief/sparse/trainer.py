@@ -12,12 +12,14 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import ray
 import torch
 from torch import nn
 
+from distbelief.checkpoint import load_arrays, shard_file
 from distbelief.config import TrainConfig
 from distbelief.downpour import DownpourSGD
 from distbelief.errors import UserError
@@ -27,8 +29,8 @@ from distbelief.sparse.client import SparseClient
 from distbelief.sparse.ctr import CTRData, auc, ctr_from_npz, synthetic_ctr
 from distbelief.sparse.module import LocalTables, prefetch_rows, sparse_modules, table_specs
 from distbelief.sparse.replica import SparseReplica
-from distbelief.sparse.shard import EmbeddingShard
-from distbelief.trainer import Evaluator, TrainResult
+from distbelief.sparse.shard import EmbeddingShard, EmbeddingShardCore
+from distbelief.trainer import MAX_SHARD_RESTARTS, Evaluator, TrainResult
 
 EVAL_SUBSET = 10_000  # test examples scored by the periodic evaluations (all at the end)
 
@@ -61,10 +63,11 @@ class SparseDownpourSGD(DownpourSGD):
         if self.cfg.partitions > 1:
             raise UserError("--partitions > 1 does not work with sparse embedding tables yet: "
                             "pass --partitions 1")
-        if self.cfg.resume:
-            raise UserError("--resume does not restore sparse embedding tables yet (their "
-                            "rows are not checkpointed): start the run afresh")
         self._sparse_shards: list = []
+        # where a restarted row shard i takes its rows from: None (the initial rows), the
+        # resumed checkpoint's arrays, or after a checkpoint of this run its file (arrays None)
+        self._row_restart_from: list[dict | None] = []
+        self._row_restarts: list[int] = []
 
     def _as_arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
         return id_arrays(x, y, what, self.specs)
@@ -75,16 +78,104 @@ class SparseDownpourSGD(DownpourSGD):
     def _replica_kwargs(self, shards: list) -> dict:
         return {"sparse_shards": self._sparse_shards, "specs": self.specs}
 
+    def _check_restored(self) -> None:
+        """Downpour's checks, then the embedding rows: the checkpoint must hold this model's
+        tables, one intact row file per shard (read and validated here, before any actor)."""
+        super()._check_restored()
+        manifest = self.restored[0]
+        folder = Path(self.cfg.resume) / "checkpoints"
+        if manifest.get("tables") != self._table_list() \
+                or len(manifest.get("row_shards", [])) != self.cfg.shards:
+            raise UserError(f"the checkpoint in {self.cfg.resume} holds tables "
+                            f"{manifest.get('tables')}, not this model's {self._table_list()}: "
+                            "resume with the --rows and model of the run that wrote it")
+        self._row_restart_from = [self._read_rows(folder, i, entry)
+                                  for i, entry in enumerate(manifest["row_shards"])]
+
+    def _table_list(self) -> list[list]:
+        return [[s.name, s.rows, s.dim] for s in self.specs]
+
+    def _read_rows(self, folder: Path, i: int, entry: dict) -> dict:
+        """Row shard ``i``'s part of a checkpoint, validated by loading it into a throwaway
+        shard core (so a damaged file fails here, in one line, not inside an actor)."""
+        arrays = load_arrays(folder / entry["file"])
+        cfg = self.cfg
+        try:
+            EmbeddingShardCore(i, cfg.shards, self.specs, cfg.optimizer, cfg.lr, cfg.momentum,
+                               {"arrays": arrays, "version": entry["version"]})
+        except ValueError as err:
+            raise UserError(f"row checkpoint {entry['file']} does not fit this model ({err}): "
+                            "use another checkpoint") from None
+        return {"arrays": arrays, "version": int(entry["version"])}
+
     def _start_shards(self, initial: list[np.ndarray]) -> list[ray.actor.ActorHandle]:
         dense = super()._start_shards(initial)
-        cfg = self.cfg
-        self._sparse_shards = [
-            EmbeddingShard.options(name=self.actor_name("rowshard", i),
-                                   scheduling_strategy="SPREAD")
-            .remote(i, cfg.shards, self.specs, cfg.optimizer, cfg.lr, cfg.momentum)
-            for i in range(cfg.shards)]
+        if not self._row_restart_from:
+            self._row_restart_from = [None] * self.cfg.shards
+        self._row_restarts = [0] * self.cfg.shards
+        self._sparse_shards = [self._new_row_shard(i, self._row_restart_from[i])
+                               for i in range(self.cfg.shards)]
         self._driver_rows = SparseClient(self._sparse_shards, self.specs)
         return dense
+
+    def _new_row_shard(self, i: int, restored: dict | None) -> ray.actor.ActorHandle:
+        cfg = self.cfg
+        for _ in range(200):  # a dead shard's name is freed asynchronously
+            try:
+                return EmbeddingShard.options(name=self.actor_name("rowshard", i),
+                                              scheduling_strategy="SPREAD").remote(
+                    i, cfg.shards, self.specs, cfg.optimizer, cfg.lr, cfg.momentum, restored)
+            except ray.exceptions.ActorAlreadyExistsError:
+                time.sleep(0.05)
+        raise RuntimeError(f"row shard {i}'s actor name is still taken after it died")
+
+    def _checkpoint(self, log: RunLog, shards: list, extra: dict,
+                    vectors: tuple[str, ...] = ()) -> int | None:
+        """Every embedding shard writes its rows, rule state and version; then Downpour's
+        dense checkpoint, whose manifest (written last) names the row files too."""
+        if log.run_dir is None:
+            return None
+        number = self._checkpoints + 1
+        (log.run_dir / "checkpoints").mkdir(exist_ok=True)
+        files = [shard_file(log.run_dir, number, i, "rowshard") for i in range(self.cfg.shards)]
+        versions = self._on_shards(log, shards, lambda: ray.get(
+            [s.save.remote(str(f)) for s, f in zip(self._sparse_shards, files)]))
+        rows = [{"file": f.name, "version": int(v)} for f, v in zip(files, versions)]
+        number = super()._checkpoint(log, shards, {**extra, "tables": self._table_list(),
+                                                   "row_shards": rows}, vectors)
+        self._row_restart_from = [{"arrays": None, "file": f, "version": r["version"]}
+                                  for f, r in zip(files, rows)]
+        return number
+
+    def _revive_shards(self, log: RunLog, shards: list) -> list[int]:
+        """Downpour's dense shards, then every dead embedding shard: restarted under its name
+        from the newest checkpoint's rows (or the initial rows), in place in the list the
+        replicas and the driver use. The restarted shards (dense indices, then row shards
+        numbered after them)."""
+        dead = super()._revive_shards(log, shards)
+        rows_dead = []
+        for i, shard in enumerate(self._sparse_shards):
+            try:
+                ray.get(shard.stats.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                rows_dead.append(i)
+            except ray.exceptions.GetTimeoutError:
+                pass  # alive, only busy
+        for i in rows_dead:
+            self._row_restarts[i] += 1
+            log.log("row_shard_failed", shard=i, restarts=self._row_restarts[i])
+            if self._row_restarts[i] > MAX_SHARD_RESTARTS:
+                raise RuntimeError(f"row shard {i} died more than {MAX_SHARD_RESTARTS} times; "
+                                   "see the run's row_shard_failed events")
+            part = self._row_restart_from[i]
+            if part is not None and part["arrays"] is None:  # written by this run: read it
+                part = {"arrays": load_arrays(part["file"]), "version": part["version"]}
+            ray.kill(self._sparse_shards[i])
+            self._sparse_shards[i] = self._driver_rows.shards[i] = self._new_row_shard(i, part)
+            version = ray.get(self._sparse_shards[i].stats.remote())["version"]
+            log.log("row_shard_restored", shard=i, checkpoint=self._checkpoints or None,
+                    version=version)
+        return dead + [len(shards) + i for i in rows_dead]
 
     def _train(self, log: RunLog, x, y, test) -> TrainResult:
         try:
