@@ -95,11 +95,18 @@ def test_killed_replica_mid_batch_gives_the_same_gradient(digits):
     want_loss, want_grad = full_batch_reference(model, digits.x_train, digits.y_train)
     rig = Rig(model, digits.x_train, digits.y_train, slow={1: 40.0, 2: 40.0}, k=4)
     try:
+        ray.get([a.where.remote() for a in rig.actors])  # every replica up before the batch
         out = {}
         thread = threading.Thread(target=lambda: out.update(loss=rig.runner.run("x", "g")))
         thread.start()
-        time.sleep(0.3)
-        ray.kill(rig.runner.replicas[1])
+
+        def computing_on_1():
+            return any(kind == "compute" and r == 1
+                       for kind, r, *_ in list(rig.runner.inflight.values()))
+
+        while not computing_on_1() and thread.is_alive():
+            time.sleep(0.002)
+        ray.kill(rig.runner.replicas[1])  # mid-portion: it is slowed 40x
         thread.join(timeout=120)
         np.testing.assert_allclose(out["loss"], want_loss, rtol=1e-5)
         np.testing.assert_allclose(rig.gradient(), want_grad, rtol=1e-4, atol=1e-4)
