@@ -48,3 +48,67 @@ def test_downpour_trains_with_bfloat16_gradients():
                                                                ds.x_test, ds.y_test)
     assert result.test_accuracy > 0.85
     assert sum(s["rejected_total"] for s in result.shard_stats) == 0
+
+
+@pytest.mark.parametrize("grad_dtype", ["float32", "float16"])
+def test_push_fetch_is_a_push_then_a_fetch_in_one_call(grad_dtype):
+    plan = ShardPlan.build([("a", (7,)), ("b", (5, 2))], 2)
+    start = np.linspace(-1, 1, 17, dtype=np.float32)
+    rigs = []
+    for _ in range(2):  # the same shards twice: one driven by push + fetch, one by push_fetch
+        shards = [ParameterShard.remote(i, part, "adagrad", 0.1)
+                  for i, part in enumerate(plan.split_flat(start))]
+        rigs.append((shards, PSClient(shards, plan, replica=0, grad_dtype=grad_dtype)))
+    try:
+        (_, two), (_, one) = rigs
+        a, b = np.empty(17, np.float32), np.empty(17, np.float32)
+        gen = np.random.default_rng(0)
+        for _ in range(4):
+            grad = gen.normal(size=17).astype(np.float32)
+            two.push(grad)
+            versions = two.fetch_into(a)
+            assert one.push_fetch_into(grad, b) == versions
+            np.testing.assert_array_equal(a, b)
+        assert (one.pushes, one.fetches, one.rejected) == (4, 4, 0)
+        one.push_fetch_into(np.full(17, np.inf, np.float32), b)  # rejected, still fetched
+        assert one.rejected == 2 and one.versions == [4, 4]
+        np.testing.assert_array_equal(a, b)
+    finally:
+        for shards, _ in rigs:
+            for s in shards:
+                ray.kill(s)
+
+
+def test_push_fetch_to_a_dead_shard_is_dropped_counted_and_refetched_from_its_restart():
+    import threading
+    import time
+
+    plan = ShardPlan.build([("a", (6,))], 2)
+    names = [f"pf-test-shard-{i}" for i in range(2)]
+
+    def shard(i):
+        return ParameterShard.options(name=names[i]).remote(i, np.zeros(3, np.float32),
+                                                            "sgd", 1.0)
+
+    shards = [shard(0), shard(1)]
+    client = PSClient(shards, plan, replica=0, names=names)
+    flat = np.empty(6, np.float32)
+    client.push_fetch_into(np.ones(6, np.float32), flat)
+    ray.kill(shards[1])
+    restarted = []
+
+    def restart():  # what the driver does: a new shard under the dead one's name
+        time.sleep(0.5)
+        restarted.append(shard(1))
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    try:
+        client.push_fetch_into(np.ones(6, np.float32), flat)
+        thread.join()
+        assert client.dropped_by_shard == [0, 1] and client.retried == 1
+        np.testing.assert_array_equal(flat, [-2, -2, -2, 0, 0, 0])  # shard 1 starts afresh
+        assert client.versions == [2, 0]
+    finally:
+        for s in [shards[0], *restarted]:
+            ray.kill(s)

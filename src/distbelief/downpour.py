@@ -26,7 +26,7 @@ from distbelief.data import ReplicaSampler, replica_indices
 from distbelief.errors import UserError
 from distbelief.flat import FlatModel
 from distbelief.metrics import RunLog
-from distbelief.ps.client import PSClient
+from distbelief.ps.client import INLINE_BYTES, PSClient
 from distbelief.ps.plan import ShardPlan
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
@@ -107,6 +107,9 @@ class DenseLoop(ReplicaLoop):
         if local:
             self._local_update()
 
+    def _fetch_due_next(self) -> bool:
+        return (self.step + 1) % self.cfg.n_fetch == 0
+
     def _local_update(self) -> None:
         with torch.no_grad():
             self.flat.flat.add_(self.flat.grad, alpha=-self.cfg.lr)
@@ -133,10 +136,29 @@ class DownpourReplica(DenseLoop):
         self._setup_dense(model, plan, PSClient(shards, plan, replica=index, names=shard_names,
                                                 grad_dtype=cfg.grad_dtype))
         self.x = torch.from_numpy(np.asarray(x))
+        self._fetched_early = False
 
     def _fetch(self) -> dict:
-        self.client.fetch_into(self.flat.flat_np)
+        if self._fetched_early:  # the last push brought this step's parameters back
+            self._fetched_early = False
+        else:
+            self.client.fetch_into(self.flat.flat_np)
         return {}
+
+    def _push(self) -> None:
+        """A push whose next step fetches, of a gradient small enough to travel inline, is
+        one call per shard that also brings the parameters back (:meth:`PSClient.
+        push_fetch_into`); the next step then uses them. Otherwise push and fetch are
+        separate calls and the push overlaps the next step."""
+        grad = self.accrued if self.accrued is not None else self.flat.grad
+        if self._fetch_due_next() and grad.numel() * 4 <= INLINE_BYTES:
+            self.client.push_fetch_into(grad.numpy(), self.flat.flat_np)
+            self._fetched_early = True
+            if self.accrued is not None:
+                self.accrued.zero_()
+            self.since_push = 0
+        else:
+            super()._push()
 
     def _step(self, rows: np.ndarray) -> float:
         rows = torch.from_numpy(rows)

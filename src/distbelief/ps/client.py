@@ -113,6 +113,40 @@ class PSClient:
         self._in_flight.append(refs)
         self.pushes += 1
 
+    def push_fetch_into(self, flat_grad: np.ndarray, flat: np.ndarray) -> list[int]:
+        """:meth:`push` of ``flat_grad``, then :meth:`fetch_into` ``flat``, with one call per
+        shard instead of two (each shard applies the push, then answers with its slice).
+        Waits for it, as a fetch does; returns the versions. A shard that died is handled
+        as by the two calls: its push dropped and counted, its fetch retried after its
+        restart (with ``names``)."""
+        self._drain(0)
+        if self._dead:
+            self._reconnect_dead()
+        bounds = self.plan.bounds
+        refs = []
+        for shard, lo, hi, version in zip(self.shards, bounds, bounds[1:], self.versions):
+            part = encode(flat_grad[lo:hi], self.grad_dtype)
+            if part.nbytes > INLINE_BYTES:
+                part = ray.put(part)
+            refs.append(shard.push_fetch.remote(part, version, self.replica))
+        self.pushes += 1
+        for s, (ref, lo, hi) in enumerate(zip(refs, bounds, bounds[1:])):
+            try:
+                applied, version, part = ray.get(ref)
+                self.rejected += not applied
+            except ray.exceptions.RayActorError:
+                if self.names is None:
+                    raise
+                self.dropped += 1
+                self.dropped_by_shard[s] += 1
+                self._reconnect(s)
+                self.retried += 1
+                [(version, part)] = self._refetch([self.shards[s].fetch.remote()], [s])
+            flat[lo:hi] = part
+            self.versions[s] = version
+        self.fetches += 1
+        return self.versions
+
     def local_ranges(self, ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """Split global flat ranges (sorted, disjoint) into each shard's local ranges."""
         out: list[list[tuple[int, int]]] = [[] for _ in self.shards]
@@ -201,10 +235,11 @@ class PSClient:
                 self._dead.add(s)
         return out
 
-    def _refetch(self, refs: list[ray.ObjectRef]) -> list:
-        """Each shard's fetch reply, reconnecting to and re-asking any shard that died."""
+    def _refetch(self, refs: list[ray.ObjectRef], shards: Sequence[int] | None = None) -> list:
+        """Each shard's fetch reply (``refs`` from ``shards``, default all in order),
+        reconnecting to and re-asking any shard that died."""
         replies = []
-        for s, ref in enumerate(refs):
+        for s, ref in zip(range(len(refs)) if shards is None else shards, refs):
             for _ in range(FETCH_TRIES):
                 try:
                     replies.append(ray.get(ref))

@@ -90,6 +90,14 @@ class ShardCore:
         self.pushes_by_replica[int(replica)] += 1
         return True
 
+    def push_fetch(self, grad: np.ndarray, fetched_version: int, replica: int = -1
+                   ) -> tuple[bool, int, np.ndarray]:
+        """:meth:`push`, then :meth:`fetch`, in one call: whether ``grad`` was applied, and
+        the version and slice after it (one round trip where a replica pushes at the end of
+        a step and fetches at the start of the next)."""
+        applied = self.push(grad, fetched_version, replica)
+        return (applied, *self.fetch())
+
     def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
                   replica: int = -1) -> bool:
         """:meth:`push` of ``grad[lo : lo + size]`` (a 1-D array covering several shards).
