@@ -64,8 +64,8 @@ class SparseDownpourSGD(DownpourSGD):
             raise UserError("--partitions > 1 does not work with sparse embedding tables yet: "
                             "pass --partitions 1")
         self._sparse_shards: list = []
-        # where a restarted row shard i takes its rows from: None (the initial rows), the
-        # resumed checkpoint's arrays, or after a checkpoint of this run its file (arrays None)
+        # where row shard i (re)starts from: None (the initial rows) or a checkpoint's row
+        # file {"file", "version", "arrays"}; arrays are held only until the shards start
         self._row_restart_from: list[dict | None] = []
         self._row_restarts: list[int] = []
 
@@ -106,7 +106,7 @@ class SparseDownpourSGD(DownpourSGD):
         except ValueError as err:
             raise UserError(f"row checkpoint {entry['file']} does not fit this model ({err}): "
                             "use another checkpoint") from None
-        return {"arrays": arrays, "version": int(entry["version"])}
+        return {"arrays": arrays, "file": folder / entry["file"], "version": int(entry["version"])}
 
     def _start_shards(self, initial: list[np.ndarray]) -> list[ray.actor.ActorHandle]:
         dense = super()._start_shards(initial)
@@ -115,6 +115,9 @@ class SparseDownpourSGD(DownpourSGD):
         self._row_restarts = [0] * self.cfg.shards
         self._sparse_shards = [self._new_row_shard(i, self._row_restart_from[i])
                                for i in range(self.cfg.shards)]
+        for part in self._row_restart_from:  # a later restart reads the file again
+            if part is not None:
+                part["arrays"] = None
         self._driver_rows = SparseClient(self._sparse_shards, self.specs)
         return dense
 
