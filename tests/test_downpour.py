@@ -124,8 +124,10 @@ def test_shard_actor_rejects_bad_pushes_and_keeps_params():
 
 def test_killed_replica_is_restarted_and_training_completes(digits):
     def trainer():
+        # 400 steps, so both runs end near the plateau, where asynchronous runs of the same
+        # seed differ by a test image or two (at 250 they differed by up to 4, over 1 point)
         return DownpourSGD(models.mlp(digits.features, 64, 10, 0), replicas=3, shards=2,
-                           steps=250, slow_replicas={1: 4.0}, seed=5)
+                           steps=400, slow_replicas={1: 4.0}, seed=5)
 
     unfaulted = trainer().fit(digits.x_train, digits.y_train, digits.x_test, digits.y_test)
     faulted = trainer()
@@ -147,10 +149,11 @@ def test_killed_replica_is_restarted_and_training_completes(digits):
     result = outcome["r"]
     failures = [e for e in result.events if e["event"] == "replica_failed"]
     assert [f["replica"] for f in failures] == [1]
-    assert 0 < failures[0]["step"] < 250  # it died mid-run ...
-    assert steps_of(result, 1)[-1]["step"] == 249  # ... and its restart finished its steps
-    assert all(steps_of(result, r)[-1]["step"] == 249 for r in (0, 2))
-    assert abs(result.test_accuracy - unfaulted.test_accuracy) <= 0.01 + 1e-9
+    assert 0 < failures[0]["step"] < 400  # it died mid-run ...
+    assert steps_of(result, 1)[-1]["step"] == 399  # ... and its restart finished its steps
+    assert all(steps_of(result, r)[-1]["step"] == 399 for r in (0, 2))
+    # the fault costs at most 1 point (a faulted run that ends higher lost nothing)
+    assert result.test_accuracy >= unfaulted.test_accuracy - 0.01 - 1e-9
 
 
 class NaNEvery(torch.nn.Module):
