@@ -55,6 +55,19 @@ class TrainResult:
     run_dir: str | None = None
 
 
+def dead_shards(shards: list) -> list[int]:
+    """Indices of the shard actors in ``shards`` that died (a busy one counts as alive)."""
+    dead = []
+    for i, shard in enumerate(shards):
+        try:
+            ray.get(shard.stats.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            dead.append(i)
+        except ray.exceptions.GetTimeoutError:
+            pass  # alive, only busy
+    return dead
+
+
 class Trainer:
     """Base of the trainers: ``model`` gives the architecture and initial float32 parameters;
     ``loss_fn`` maps ``(model(x), y)`` to a scalar mean loss (cross-entropy by default).
@@ -182,14 +195,7 @@ class Trainer:
         one it resumed from), so it loses the updates applied to its slice since then; with
         no checkpoint yet it starts again from the initial parameters.
         """
-        dead = []
-        for i, shard in enumerate(shards):
-            try:
-                ray.get(shard.stats.remote(), timeout=30)
-            except ray.exceptions.RayActorError:
-                dead.append(i)
-            except ray.exceptions.GetTimeoutError:
-                pass  # alive, only busy
+        dead = dead_shards(shards)
         for i in dead:
             self._shard_restarts[i] += 1
             log.log("shard_failed", shard=i, restarts=self._shard_restarts[i])

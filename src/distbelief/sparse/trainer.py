@@ -30,7 +30,7 @@ from distbelief.sparse.ctr import CTRData, auc, ctr_from_npz, synthetic_ctr
 from distbelief.sparse.module import LocalTables, prefetch_rows, sparse_modules, table_specs
 from distbelief.sparse.replica import SparseReplica
 from distbelief.sparse.shard import EmbeddingShard, EmbeddingShardCore
-from distbelief.trainer import MAX_SHARD_RESTARTS, Evaluator, TrainResult
+from distbelief.trainer import MAX_SHARD_RESTARTS, Evaluator, TrainResult, dead_shards
 
 EVAL_SUBSET = 10_000  # test examples scored by the periodic evaluations (all at the end)
 
@@ -156,14 +156,7 @@ class SparseDownpourSGD(DownpourSGD):
         replicas and the driver use. The restarted shards (dense indices, then row shards
         numbered after them)."""
         dead = super()._revive_shards(log, shards)
-        rows_dead = []
-        for i, shard in enumerate(self._sparse_shards):
-            try:
-                ray.get(shard.stats.remote(), timeout=30)
-            except ray.exceptions.RayActorError:
-                rows_dead.append(i)
-            except ray.exceptions.GetTimeoutError:
-                pass  # alive, only busy
+        rows_dead = dead_shards(self._sparse_shards)
         for i in rows_dead:
             self._row_restarts[i] += 1
             log.log("row_shard_failed", shard=i, restarts=self._row_restarts[i])
