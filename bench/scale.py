@@ -43,7 +43,7 @@ from ps import InProcess  # bench/ps.py (this folder is on sys.path): the same b
 from torch import nn
 
 from distbelief import DownpourSGD, cluster, data, models
-from distbelief.data import ReplicaSampler, replica_indices
+from distbelief.data import ReplicaSampler
 from distbelief.downpour import SEGMENT_STEPS
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
@@ -95,7 +95,7 @@ def single_rate(args, ds) -> float:
     model = models.mlp(ds.features, args.hidden, ds.classes, args.seed)
     opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
-    sampler = ReplicaSampler(replica_indices(len(x), 0, 1), args.batch_size, args.seed, 0)
+    sampler = ReplicaSampler(len(x), 0, 1, args.batch_size, args.seed)
     loss_fn = nn.CrossEntropyLoss()
     rates = []
     for _ in range(3):

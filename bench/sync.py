@@ -4,9 +4,10 @@ Run: .venv/bin/python bench/sync.py [--workers 4] [--target 0.95] [--slow 2] [--
      [--out runs/bench-sync]
 Same data (scikit-learn digits, the fixed 80/20 split of distbelief.data), same model (the
 CLI's 64-HIDDEN-10 MLP, same seed), same optimizer and learning rate (Adagrad, --lr), same
-mini-batch per worker (--batch-size), same sampling (data.ReplicaSampler: worker w owns every
-W-th row) and the same number of workers W for Downpour (W replicas, --shards shards) and
-PyTorch DistributedDataParallel over gloo on 127.0.0.1 (W processes from
+mini-batch per worker (--batch-size), same sampling (data.ReplicaSampler with --data-split;
+the default, "epoch", deals worker w every W-th row of a fresh permutation each epoch, as
+DDP's DistributedSampler does) and the same number of workers W for Downpour (W replicas,
+--shards shards) and PyTorch DistributedDataParallel over gloo on 127.0.0.1 (W processes from
 torch.multiprocessing.spawn); the single process runs W * --steps steps. Each variant runs
 as it is and with worker 0 slowed --slow times (it sleeps (F-1) x its own step time after
 every step, the same rule as Downpour's --slow-replica).
@@ -38,7 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from distbelief import data, models
-from distbelief.data import ReplicaSampler, replica_indices
+from distbelief.data import ReplicaSampler
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -59,7 +60,7 @@ def single_process(args, slow: float) -> list[tuple[float, float]]:
     opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
     xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
-    sampler = ReplicaSampler(replica_indices(len(x), 0, 1), args.batch_size, args.seed, 0)
+    sampler = ReplicaSampler(len(x), 0, 1, args.batch_size, args.seed, args.data_split)
     loss_fn, curve = nn.CrossEntropyLoss(), []
     start = next_eval = time.perf_counter()
     for step in range(args.workers * args.steps):
@@ -90,8 +91,8 @@ def ddp_worker(rank: int, args, slow: float, port: int, out: str) -> None:
     opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
     xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
-    sampler = ReplicaSampler(replica_indices(len(x), rank, args.workers), args.batch_size,
-                             args.seed, rank)
+    sampler = ReplicaSampler(len(x), rank, args.workers, args.batch_size, args.seed,
+                             args.data_split)
     loss_fn, curve = nn.CrossEntropyLoss(), []
     factor = slow if rank == 0 else 1.0
     dist.barrier()
@@ -137,7 +138,7 @@ def downpour(args, slow: float) -> list[tuple[float, float]]:
                           replicas=args.workers, shards=args.shards, optimizer="adagrad",
                           lr=args.lr, batch_size=args.batch_size, steps=args.steps,
                           n_fetch=args.n_fetch, n_push=args.n_push, seed=args.seed,
-                          eval_every_s=args.eval_every,
+                          eval_every_s=args.eval_every, data_split=args.data_split,
                           slow_replicas={0: slow} if slow > 1.0 else {})
     result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
     return downpour_curve(result.events)
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--n-fetch", type=int, default=1)
     parser.add_argument("--n-push", type=int, default=1)
+    parser.add_argument("--data-split", default="epoch", choices=["epoch", "fixed"])
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--slow", type=float, default=2.0)
     parser.add_argument("--eval-every", type=float, default=0.05, help="seconds")

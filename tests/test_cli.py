@@ -32,6 +32,7 @@ BAD = [
     (["--partition-by", "diagonal"], "--partition-by 'diagonal' is unknown"),
     (["--model", "lc", "--channels", "0"], "--channels must be an integer >= 1"),
     (["--grad-dtype", "int8"], "--grad-dtype 'int8' is unknown: choose one of float32"),
+    (["--data-split", "random"], "--data-split 'random' is unknown: choose one of epoch, fixed"),
 ]
 
 

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from distbelief import DownpourSGD, data, models
-from distbelief.data import ReplicaSampler, replica_indices
+from distbelief.data import ReplicaSampler
 from distbelief.ps.shard import ParameterShard
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -40,7 +40,7 @@ def test_one_replica_sgd_equals_torch_sgd_step_for_step(digits):
                          lr=lr, batch_size=bs, steps=steps, seed=seed).fit(
         digits.x_train, digits.y_train)
     opt = torch.optim.SGD(reference.parameters(), lr=lr)
-    sampler = ReplicaSampler(replica_indices(len(digits.x_train), 0, 1), bs, seed, 0)
+    sampler = ReplicaSampler(len(digits.x_train), 0, 1, bs, seed)
     x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
     ref_losses = []
     for k in range(steps):

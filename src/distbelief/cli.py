@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps replica 0 runs alone before the others start")
     t.add_argument("--no-local-update", dest="local_update", action="store_false",
                    help="do not apply gradients locally between fetches")
+    t.add_argument("--data-split", default=d.data_split,
+                   help="epoch: each epoch deals a fresh permutation of all rows to the "
+                        "replicas (default); fixed: each replica keeps its own rows (the "
+                        "paper's data shards)")
     t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--eval-every", dest="eval_every_s", type=float, default=d.eval_every_s,
                    help="seconds between held-out evaluations")

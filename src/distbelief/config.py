@@ -14,6 +14,7 @@ DATASETS = ("digits", "synthetic", "ctr")
 MODELS = ("mlp", "lc")
 PARTITION_BY = ("auto", "space", "layers")
 GRAD_DTYPES = ("float32", "float16", "bfloat16")  # wire formats, see distbelief.ps.codec
+SPLITS = ("epoch", "fixed")  # how training rows are dealt to replicas, see data.ReplicaSampler
 
 
 def flag(name: str) -> str:
@@ -55,6 +56,7 @@ class TrainConfig:
     steps: int = 300
     warmstart_steps: int = 0
     local_update: bool = True
+    data_split: str = "epoch"  # rows dealt to replicas afresh each epoch, or "fixed" shards
     seed: int = 0
     eval_every_s: float = 0.5
     address: str | None = None
@@ -81,6 +83,7 @@ class TrainConfig:
                             f"{', '.join(DATASETS)} or the path of a .npz file")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        _choice("data_split", self.data_split, SPLITS)
         _choice("model", self.model, MODELS)
         _at_least("partitions", self.partitions, 1)
         _choice("partition_by", self.partition_by, PARTITION_BY)

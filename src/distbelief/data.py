@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distbelief.config import SPLITS
 from distbelief.errors import UserError
 
 TEST_FRACTION = 0.2
@@ -130,26 +131,46 @@ def replica_indices(n: int, replica: int, replicas: int) -> np.ndarray:
 
 
 class ReplicaSampler:
-    """Mini-batches for one replica, a pure function of (seed, replica, step).
+    """Mini-batches for replica ``replica`` of ``replicas`` over ``n`` training rows, a pure
+    function of (seed, replica, step), so a restarted replica resumes exactly where it
+    stopped. ``batch(k)`` gives the k-th mini-batch's row indices; the last partial batch
+    of an epoch is dropped. ``split`` says which rows a replica's epochs go over:
 
-    Each epoch over the replica's rows uses a fresh seeded permutation; the last partial
-    batch of an epoch is dropped. ``batch(k)`` gives the k-th mini-batch's row indices,
-    so a restarted replica resumes exactly where it stopped.
+    - ``"epoch"`` (default): each epoch deals out a fresh seeded permutation of all ``n``
+      rows, replica r taking every replicas-th row of it (torch's DistributedSampler). In
+      any one epoch the replicas' rows are disjoint and cover the set; over epochs every
+      replica sees every row.
+    - ``"fixed"``: replica r owns rows r, r + replicas, ... for the whole run (the paper's
+      data shards), in a fresh seeded order each epoch. A replica then needs only its own
+      rows; on digits this costs 0.36 points of final accuracy against a shuffle of the
+      whole set (bench/sampling.py).
     """
 
-    def __init__(self, indices: np.ndarray, batch_size: int, seed: int, replica: int) -> None:
-        if len(indices) == 0:
+    def __init__(self, n: int, replica: int, replicas: int, batch_size: int, seed: int,
+                 split: str = "epoch") -> None:
+        if split not in SPLITS:
+            raise UserError(f"--data-split {split!r} is unknown: choose one of "
+                            f"{', '.join(SPLITS)}")
+        size = len(range(replica, n, replicas))
+        if size == 0:
             raise UserError(f"replica {replica} got no training rows: pass fewer --replicas")
-        self.indices = np.asarray(indices)
-        self.batch_size = min(batch_size, len(indices))
-        self.per_epoch = len(indices) // self.batch_size
+        self.n, self.replica, self.replicas, self.split = n, replica, replicas, split
+        self.batch_size = min(batch_size, size)
+        self.per_epoch = size // self.batch_size
         self.seed = seed
-        self.replica = replica
-        self._epoch, self._perm = -1, self.indices
+        self._epoch, self._perm = -1, np.zeros(0, np.int64)
+
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        """This replica's rows in epoch ``epoch``, in the order its batches take them."""
+        if self.split == "fixed":
+            rows = replica_indices(self.n, self.replica, self.replicas)
+            rng = np.random.default_rng([self.seed, self.replica, epoch])
+            return rows[rng.permutation(len(rows))]
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return perm[self.replica::self.replicas]
 
     def batch(self, step: int) -> np.ndarray:
         epoch, k = divmod(step, self.per_epoch)
         if epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, self.replica, epoch])
-            self._epoch, self._perm = epoch, self.indices[rng.permutation(len(self.indices))]
+            self._epoch, self._perm = epoch, self.epoch_rows(epoch)
         return self._perm[k * self.batch_size: (k + 1) * self.batch_size]

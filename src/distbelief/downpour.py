@@ -22,7 +22,7 @@ from torch import nn
 
 from distbelief import cluster
 from distbelief.config import TrainConfig
-from distbelief.data import ReplicaSampler, replica_indices
+from distbelief.data import ReplicaSampler
 from distbelief.errors import UserError
 from distbelief.flat import FlatModel
 from distbelief.metrics import RunLog
@@ -49,8 +49,8 @@ class ReplicaLoop:
                y: np.ndarray, start_step: int) -> None:
         torch.set_num_threads(1)
         self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
-        rows = replica_indices(n_rows, index, cfg.replicas)
-        self.sampler = ReplicaSampler(rows, cfg.batch_size, cfg.seed, index)
+        self.sampler = ReplicaSampler(n_rows, index, cfg.replicas, cfg.batch_size, cfg.seed,
+                                      cfg.data_split)
         self.y = torch.from_numpy(np.asarray(y))
         self.step = start_step
         self.since_push = 0
