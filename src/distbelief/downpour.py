@@ -217,15 +217,8 @@ class DownpourSGD(Trainer):
         replica_actor = self._replica_actor()
 
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
-            for _ in range(200):  # a killed replica's name is freed asynchronously
-                try:
-                    return replica_actor.options(name=self.actor_name("replica", i),
-                                                 scheduling_strategy="SPREAD").remote(
-                        i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref, cfg, step,
-                        **extra)
-                except ray.exceptions.ActorAlreadyExistsError:
-                    time.sleep(0.05)
-            raise RuntimeError(f"replica {i}'s actor name is still taken after its restart")
+            return self._named_actor(replica_actor, "replica", i, i, blueprint, self.loss_fn,
+                                     plan, shards, x_ref, y_ref, cfg, step, **extra)
 
         resumed = self._resumed
         replicas = {i: start(i, resumed.get(i, 0)) for i in range(cfg.replicas)}

@@ -162,16 +162,22 @@ class Trainer:
         self._restart_from = restored, self._checkpoints or None  # until a checkpoint is written
         return [self._new_shard(i, restored[i]) for i in range(self.plan.shards)]
 
-    def _new_shard(self, i: int, restored: dict | None) -> ray.actor.ActorHandle:
-        cfg = self.cfg
-        for _ in range(200):  # a dead shard's name is freed asynchronously
+    def _named_actor(self, actor_class, role: str, i: int, *args, **kwargs):
+        """``actor_class(*args, **kwargs)`` as the actor named ``actor_name(role, i)``, spread
+        over the nodes; retried while a dead predecessor's name is still being freed (Ray
+        frees it asynchronously)."""
+        for _ in range(200):
             try:
-                return ParameterShard.options(name=self.actor_name("shard", i),
-                                              scheduling_strategy="SPREAD").remote(
-                    i, self._initial[i], cfg.optimizer, cfg.lr, cfg.momentum, restored)
+                return actor_class.options(name=self.actor_name(role, i),
+                                           scheduling_strategy="SPREAD").remote(*args, **kwargs)
             except ray.exceptions.ActorAlreadyExistsError:
                 time.sleep(0.05)
-        raise RuntimeError(f"shard {i}'s actor name is still taken after it died")
+        raise RuntimeError(f"{role} {i}'s actor name is still taken after it died")
+
+    def _new_shard(self, i: int, restored: dict | None) -> ray.actor.ActorHandle:
+        cfg = self.cfg
+        return self._named_actor(ParameterShard, "shard", i, i, self._initial[i],
+                                 cfg.optimizer, cfg.lr, cfg.momentum, restored)
 
     def _on_shards(self, log: RunLog, shards: list, call, clients: tuple = ()):
         """``call()``, which talks to ``shards``; if a shard died, restart it and call again.

@@ -123,14 +123,8 @@ class SparseDownpourSGD(DownpourSGD):
 
     def _new_row_shard(self, i: int, restored: dict | None) -> ray.actor.ActorHandle:
         cfg = self.cfg
-        for _ in range(200):  # a dead shard's name is freed asynchronously
-            try:
-                return EmbeddingShard.options(name=self.actor_name("rowshard", i),
-                                              scheduling_strategy="SPREAD").remote(
-                    i, cfg.shards, self.specs, cfg.optimizer, cfg.lr, cfg.momentum, restored)
-            except ray.exceptions.ActorAlreadyExistsError:
-                time.sleep(0.05)
-        raise RuntimeError(f"row shard {i}'s actor name is still taken after it died")
+        return self._named_actor(EmbeddingShard, "rowshard", i, i, cfg.shards, self.specs,
+                                 cfg.optimizer, cfg.lr, cfg.momentum, restored)
 
     def _checkpoint(self, log: RunLog, shards: list, extra: dict,
                     vectors: tuple[str, ...] = ()) -> int | None:
