@@ -11,6 +11,11 @@ with up to k pushes in flight; ``--pushers P`` adds P client actors pushing at o
 with 2 in flight). Push MB/s counts float32 gradient bytes applied per second, whatever
 went over the wire. Also prints fetch MB/s and the in-process rate of the pre-issue-6
 update rule (whole-array NumPy with temporaries) for reference.
+
+The ``floor`` variants (``null-f32x1``, ``null-f32x4``) push the same way to actors that
+answer at once and never read the gradient: Ray's own cost of a push (the ``ray.put``, one
+call per shard, the replies) with a free apply. Their ratio bounds what any shard-side
+change can reach with Ray's calls on this machine.
 """
 
 from __future__ import annotations
@@ -60,6 +65,21 @@ class InProcess:
 
 
 @ray.remote(num_cpus=0)
+class NullShard:
+    """Answers a push like a shard but does nothing with it: what Ray alone costs a push."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
+        return True
+
+    def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
+                  replica: int = -1) -> bool:
+        return True
+
+
+@ray.remote(num_cpus=0)
 class Pusher:
     """A client in its own process, like a replica: pushes one gradient ``repeat`` times."""
 
@@ -98,7 +118,8 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", default=["f32x1", "f32x4", "bf16x4"])
+    parser.add_argument("--variants", nargs="+",
+                        default=["f32x1", "f32x4", "bf16x4", "null-f32x1", "null-f32x4"])
     parser.add_argument("--pushers", type=int, nargs="*", default=[2],
                         help="also run P concurrent client actors (f32, 2 in flight each)")
     args = parser.parse_args()
@@ -122,11 +143,13 @@ def main() -> None:
             grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
             variants = [(v, 1) for v in args.variants] + [("f32x2", p) for p in args.pushers]
             fetch = 0.0
+            nulls = [NullShard.remote() for _ in range(shards)]
             for variant, pushers in variants:
-                dtype, k = variant.split("x")
+                null, dtype, k = variant.startswith("null-"), *variant.removeprefix(
+                    "null-").split("x")
                 if pushers == 1:
-                    clients = [PSClient(handles, plan, grad_dtype=DTYPES[dtype],
-                                        max_in_flight=int(k))]
+                    clients = [PSClient(nulls if null else handles, plan,
+                                        grad_dtype=DTYPES[dtype], max_in_flight=int(k))]
                 else:
                     clients = [Pusher.remote(handles, plan, DTYPES[dtype], int(k))
                                for _ in range(pushers)]
@@ -135,7 +158,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     b = base.rate(args.repeat)
                     rounds.append((b, push_rate(clients, grad, args.repeat)))
-                if not fetch:
+                if not fetch and not null:
                     fetch = statistics.median(fetch_rate(clients[0], flat, args.repeat)
                                               for _ in range(args.rounds))
                 ratios = sorted(p / b for b, p in rounds)
@@ -148,7 +171,7 @@ def main() -> None:
                 for c in clients:
                     if not isinstance(c, PSClient):
                         ray.kill(c)
-            for h in handles:
+            for h in handles + nulls:
                 ray.kill(h)
         del base
     ray.shutdown()
