@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-local-update", dest="local_update", action="store_false",
                    help="do not apply gradients locally between fetches")
     t.add_argument("--data-split", default=d.data_split,
-                   help="epoch: each epoch deals a fresh permutation of all rows to the "
-                        "replicas (default); fixed: each replica keeps its own rows (the "
-                        "paper's data shards)")
+                   help="downpour: epoch deals each epoch a fresh permutation of all rows "
+                        "to the replicas (default); fixed keeps each replica on its own "
+                        "rows (the paper's data shards)")
     t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--eval-every", dest="eval_every_s", type=float, default=d.eval_every_s,
                    help="seconds between held-out evaluations")
