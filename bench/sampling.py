@@ -28,16 +28,11 @@ import statistics
 
 import numpy as np
 import torch
+from scipy.stats import t
 from torch import nn
 
 from distbelief import data, models
 from distbelief.data import ReplicaSampler
-
-T95 = {5: 2.571, 10: 2.228, 20: 2.086, 30: 2.042, 60: 2.000}  # two-sided t, by dof (floor)
-
-
-def t95(dof: int) -> float:
-    return T95[max([k for k in T95 if k <= dof], default=5)] if dof >= 5 else 2.776
 
 
 def replica_order(split: str):
@@ -97,7 +92,7 @@ def main() -> None:
     for name in ("fixed", "epoch"):
         diff = [d - w for d, w in zip(acc[name], acc["whole"])]
         mean = statistics.mean(diff)
-        half = t95(len(diff) - 1) * statistics.stdev(diff) / len(diff) ** 0.5
+        half = t.ppf(0.975, len(diff) - 1) * statistics.stdev(diff) / len(diff) ** 0.5
         print(f"{name} - whole: {100 * mean:+.2f} points ({mean * len(ds.x_test):+.1f} test "
               f"images), 95% interval [{100 * (mean - half):+.2f}, {100 * (mean + half):+.2f}]")
 

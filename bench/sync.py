@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from distbelief import data, models
+from distbelief.config import SPLITS
 from distbelief.data import ReplicaSampler
 
 
@@ -167,7 +168,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--n-fetch", type=int, default=1)
     parser.add_argument("--n-push", type=int, default=1)
-    parser.add_argument("--data-split", default="epoch", choices=["epoch", "fixed"])
+    parser.add_argument("--data-split", default="epoch", choices=SPLITS)
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--slow", type=float, default=2.0)
     parser.add_argument("--eval-every", type=float, default=0.05, help="seconds")

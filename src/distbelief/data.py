@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distbelief.config import SPLITS
+from distbelief.config import SPLITS, _choice
 from distbelief.errors import UserError
 
 TEST_FRACTION = 0.2
@@ -148,9 +148,7 @@ class ReplicaSampler:
 
     def __init__(self, n: int, replica: int, replicas: int, batch_size: int, seed: int,
                  split: str = "epoch") -> None:
-        if split not in SPLITS:
-            raise UserError(f"--data-split {split!r} is unknown: choose one of "
-                            f"{', '.join(SPLITS)}")
+        _choice("data_split", split, SPLITS)
         size = len(range(replica, n, replicas))
         if size == 0:
             raise UserError(f"replica {replica} got no training rows: pass fewer --replicas")
