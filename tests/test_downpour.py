@@ -1,6 +1,7 @@
 """Downpour SGD end to end on a real (embedded) Ray session."""
 
 import copy
+import json
 import sys
 import threading
 import time
@@ -26,6 +27,15 @@ def digits():
 
 def small_model(ds, seed=0, hidden=16):
     return models.mlp(ds.features, hidden, ds.classes, seed)
+
+
+def read_events_if_any(run_dir):
+    """The run folder's events so far ([] before its metrics.jsonl exists); whole lines only."""
+    try:
+        with open(run_dir / "metrics.jsonl", encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
 
 
 def steps_of(result, replica):
@@ -122,15 +132,15 @@ def test_shard_actor_rejects_bad_pushes_and_keeps_params():
     ray.kill(shard)
 
 
-def test_killed_replica_is_restarted_and_training_completes(digits):
-    def trainer():
+def test_killed_replica_is_restarted_and_training_completes(digits, tmp_path):
+    def trainer(run_dir=None):
         # 400 steps, so both runs end near the plateau, where asynchronous runs of the same
         # seed differ by a test image or two (at 250 they differed by up to 4, over 1 point)
         return DownpourSGD(models.mlp(digits.features, 64, 10, 0), replicas=3, shards=2,
-                           steps=400, slow_replicas={1: 4.0}, seed=5)
+                           steps=400, slow_replicas={1: 4.0}, seed=5, run_dir=run_dir)
 
     unfaulted = trainer().fit(digits.x_train, digits.y_train, digits.x_test, digits.y_test)
-    faulted = trainer()
+    faulted = trainer(tmp_path)
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(r=faulted.fit(
         digits.x_train, digits.y_train, digits.x_test, digits.y_test)))
@@ -142,8 +152,11 @@ def test_killed_replica_is_restarted_and_training_completes(digits):
             victim = ray.get_actor(name)
         except ValueError:
             time.sleep(0.05)
-    ray.get(victim.where.remote())
-    time.sleep(1.0)
+    # kill it once the driver has logged its first segment (a fixed sleep was too short on a
+    # slow CI machine: the slowed replica had not finished one segment, so it "died" at step 0)
+    while thread.is_alive() and not any(
+            e["event"] == "step" and e["replica"] == 1 for e in read_events_if_any(tmp_path)):
+        time.sleep(0.05)
     ray.kill(victim)
     thread.join(timeout=180)
     result = outcome["r"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 from distbelief.errors import UserError
@@ -76,7 +77,14 @@ class TrainConfig:
     backups: bool = True
 
     def validate(self) -> TrainConfig:
-        """Raise :class:`UserError` naming the first bad field's flag and the fix."""
+        """Raise :class:`UserError` naming the first bad field's flag and the fix.
+
+        Path fields may be given as :class:`os.PathLike` (``pathlib.Path``); they become
+        ``str`` here, so the config stays JSON-ready.
+        """
+        for name in ("dataset", "run_dir", "resume"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
         _choice("algorithm", self.algorithm, ALGORITHMS)
         if self.dataset not in DATASETS and not self.dataset.endswith(".npz"):
             raise UserError(f"{flag('dataset')} {self.dataset!r} is unknown: choose one of "
