@@ -28,7 +28,7 @@ from torch import nn
 
 from distbelief import cluster
 from distbelief.modelpar.layers import LocallyConnected2d
-from distbelief.modelpar.partition import plan_spatial
+from distbelief.modelpar.spatial import plan_spatial
 from distbelief.modelpar.worker import PartitionGroup
 
 LR = 0.01

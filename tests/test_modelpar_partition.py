@@ -9,20 +9,16 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from support.modelpar import Executor
 from torch import nn
 
 from distbelief.errors import UserError
+from distbelief.modelpar.geometry import DRIVER
 from distbelief.modelpar.layers import LocallyConnected1d, LocallyConnected2d
-from distbelief.modelpar.partition import (
-    DRIVER,
-    Executor,
-    LCLayer,
-    SpatialPartition,
-    _balance,
-    pass_schedule,
-    plan_layerwise,
-    plan_spatial,
-)
+from distbelief.modelpar.layerwise import _balance, plan_layerwise
+from distbelief.modelpar.partitions import SpatialPartition
+from distbelief.modelpar.schedule import pass_schedule
+from distbelief.modelpar.spatial import LCLayer, plan_spatial
 
 
 def lc1d_stack(readout=True):

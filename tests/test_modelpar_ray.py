@@ -12,7 +12,9 @@ from torch import nn
 
 from distbelief import DownpourSGD, data, models
 from distbelief.modelpar.layers import LocallyConnected1d, LocallyConnected2d
-from distbelief.modelpar.partition import plan_layerwise, plan_partitions, plan_spatial
+from distbelief.modelpar.layerwise import plan_layerwise
+from distbelief.modelpar.plan import plan_partitions
+from distbelief.modelpar.spatial import plan_spatial
 from distbelief.modelpar.worker import PartitionGroup, flat_runs, owned_ranges
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard

@@ -113,7 +113,7 @@ class Trainer:
         test = self._as_arrays(x_test, y_test, "test") if x_test is not None else None
         self._show_progress = progress
         if cfg.partitions > 1:  # plan before any actor starts, so bad splits fail here
-            from distbelief.modelpar.partition import plan_partitions
+            from distbelief.modelpar.plan import plan_partitions
 
             self._partition_plan = plan_partitions(self.model, cfg.partitions,
                                                    cfg.partition_by, x_train.shape[1:])

@@ -22,7 +22,7 @@ from torch import nn
 from distbelief import cluster
 from distbelief.config import TrainConfig
 from distbelief.downpour import ReplicaLoop
-from distbelief.modelpar.partition import Plan
+from distbelief.modelpar.plan import PartitionPlan
 from distbelief.modelpar.worker import PartitionGroup
 from distbelief.ps.plan import ShardPlan
 
@@ -33,7 +33,7 @@ class ModelParallelReplica(ReplicaLoop):
 
     def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
                  shards: list, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
-                 start_step: int = 0, partition_plan: Plan | None = None) -> None:
+                 start_step: int = 0, partition_plan: PartitionPlan | None = None) -> None:
         self._setup(index, cfg, loss_fn, len(x), y, start_step)
         self.plan = partition_plan
         self.group = PartitionGroup(model, partition_plan, plan, shards, replica=index)
@@ -108,7 +108,7 @@ class ModelParallelSandblasterReplica:
 
     def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
                  shards: list, x: np.ndarray, y: np.ndarray, slow: float = 1.0,
-                 partition_plan: Plan | None = None) -> None:
+                 partition_plan: PartitionPlan | None = None) -> None:
         torch.set_num_threads(1)
         self.index, self.loss_fn, self.slow = index, loss_fn, slow
         self.group = PartitionGroup(model, partition_plan, plan, shards, replica=index)

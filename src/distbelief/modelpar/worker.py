@@ -1,7 +1,7 @@
 """Partition actors: one model split over K Ray actors that exchange only boundary tensors.
 
 A :class:`PartitionWorker` holds one partition of a layer-wise or spatial plan (see
-:mod:`distbelief.modelpar.partition`) and nothing else of the model: it is built from its own
+:mod:`distbelief.modelpar.partitions`) and nothing else of the model: it is built from its own
 layers or parameter slices only. It fetches and pushes just its own parameters, as flat
 ranges, from and to the parameter-server shards.
 
@@ -23,22 +23,16 @@ import ray
 import torch
 from torch import nn
 
-from distbelief.modelpar.partition import (
-    DRIVER,
-    LayerwisePartition,
-    LayerwisePlan,
-    Message,
-    ParamSlice,
-    Plan,
-    SpatialPartition,
-    gather_slices,
-    pass_schedule,
-)
+from distbelief.modelpar.geometry import DRIVER, Message, ParamSlice
+from distbelief.modelpar.layerwise import LayerwisePlan
+from distbelief.modelpar.partitions import LayerwisePartition, SpatialPartition
+from distbelief.modelpar.plan import PartitionPlan, gather_slices
+from distbelief.modelpar.schedule import pass_schedule
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
 
 
-def partition_piece(plan: Plan, index: int, model: nn.Module) -> nn.Module | dict:
+def partition_piece(plan: PartitionPlan, index: int, model: nn.Module) -> nn.Module | dict:
     """What partition ``index`` is built from: its own layers (layer-wise plans) or its own
     parameter slices (spatial plans), copied out of ``model`` so nothing else travels."""
     if isinstance(plan, LayerwisePlan):
@@ -79,7 +73,7 @@ def owned_ranges(slices: Sequence[ParamSlice], shard_plan: ShardPlan
 class PartitionWorker:
     """One partition: forward/backward rounds, its own parameters, its own PS traffic."""
 
-    def __init__(self, plan: Plan, index: int, piece: nn.Module | dict,
+    def __init__(self, plan: PartitionPlan, index: int, piece: nn.Module | dict,
                  shard_plan: ShardPlan | None = None, shards: list | None = None,
                  replica: int = -1) -> None:
         torch.set_num_threads(1)
@@ -228,7 +222,7 @@ class PartitionGroup:
     ``options`` are Ray actor options for every worker (e.g. ``num_cpus``).
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, shard_plan: ShardPlan | None = None,
+    def __init__(self, model: nn.Module, plan: PartitionPlan, shard_plan: ShardPlan | None = None,
                  shards: list | None = None, replica: int = -1,
                  options: dict | None = None) -> None:
         self.plan, self.k = plan, plan.num_partitions
