@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 import scipy.optimize
 from sklearn.datasets import load_digits
+from support.vectors import LocalVectorSpace
 
-from distbelief.sandblaster.lbfgs import (
-    LBFGS,
-    LineSearchError,
-    LocalVectorSpace,
-    VectorSpace,
-)
+from distbelief.sandblaster.lbfgs import LBFGS
+from distbelief.sandblaster.linesearch import LineSearchError
+from distbelief.sandblaster.vectors import VectorSpace
 
 Objective = Callable[[np.ndarray], tuple[float, np.ndarray]]
 L2 = 1e-3

@@ -1,131 +1,29 @@
 """Sandblaster L-BFGS: a coordinator that never holds a vector (pure).
 
-In Sandblaster the parameters, the gradient and the L-BFGS history live on the
-parameter-server shards, each shard holding the same slice of every named vector. The
-coordinator sends small commands and gets back only scalars. Shards implement exactly the
-five operations of `VectorSpace`:
-
-    dots(pairs)          -> [float]   batched dot products u . v, one round trip
-    axpy(alpha, x, y)                 y += alpha * x
-    scale(alpha, x)                   x *= alpha
-    copy(src, dst)                    dst = src (creates dst)
-    lincomb(dst, terms)               dst = sum(c * v for c, v in terms) (creates dst; dst may
-                                      itself appear in terms; no terms zeroes an existing dst)
-
-`LBFGS` uses dots, lincomb and copy (axpy and scale are the in-place forms other drivers use).
-It runs the two-loop recursion on coefficients rather than on vectors ("vector-free L-BFGS",
-Chen et al., NIPS 2014): the coordinator keeps the Gram matrix of dot products among the
-history vectors ``s{i}``, ``y{i}`` and the gradient ``g``, a few hundred float64 scalars, so
-the search direction costs one ``lincomb`` instead of 2m dependent round trips. Vector names:
-``x`` parameters, ``g`` gradient at ``x``, ``d`` search direction, ``x_trial`` / ``g_trial``
-the line-search point, ``s{i}`` / ``y{i}`` the ring of m + 1 history slots (one spare, so a
-step being committed never overwrites a pair the last saved state still refers to).
+`LBFGS` works on the named vectors of a :class:`~distbelief.sandblaster.vectors.VectorSpace`
+(the parameter-server shards) and uses dots, lincomb and copy (axpy and scale are the in-place
+forms other drivers use). It runs the two-loop recursion on coefficients rather than on
+vectors ("vector-free L-BFGS", Chen et al., NIPS 2014): the coordinator keeps the Gram matrix
+of dot products among the history vectors ``s{i}``, ``y{i}`` and the gradient ``g``, a few
+hundred float64 scalars, so the search direction costs one ``lincomb`` instead of 2m
+dependent round trips. ``s{i}`` / ``y{i}`` are the ring of m + 1 history slots (one spare, so
+a step being committed never overwrites a pair the last saved state still refers to); the
+step along the direction is found by :class:`~distbelief.sandblaster.linesearch.StrongWolfe`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike, DTypeLike
 
-X, G, D = "x", "g", "d"
-X_TRIAL, G_TRIAL = "x_trial", "g_trial"
+from distbelief.sandblaster.linesearch import LineSearchError, StrongWolfe
+from distbelief.sandblaster.vectors import G_TRIAL, X_TRIAL, D, Evaluate, G, VectorSpace, X
+
 CURVATURE_EPS = 1e-10  # a pair with s.y <= CURVATURE_EPS * y.y would make H indefinite: skipped
-
-Evaluate = Callable[[str, str], float]
-"""``evaluate(x, g)``: the loss at vector ``x``; writes the gradient there into vector ``g``."""
-
-
-class VectorSpace(Protocol):
-    """Named vectors that live elsewhere (on the shards); every call returns at most scalars."""
-
-    def dots(self, pairs: list[tuple[str, str]]) -> list[float]:
-        """Dot products ``u . v`` for each ``(u, v)`` in ``pairs``, in order, in one round trip."""
-        ...
-
-    def axpy(self, alpha: float, x: str, y: str) -> None:
-        """``y += alpha * x``."""
-        ...
-
-    def scale(self, alpha: float, x: str) -> None:
-        """``x *= alpha``."""
-        ...
-
-    def copy(self, src: str, dst: str) -> None:
-        """``dst = src``, creating ``dst`` if missing."""
-        ...
-
-    def lincomb(self, dst: str, terms: list[tuple[float, str]]) -> None:
-        """``dst = sum(c * v for c, v in terms)``, creating ``dst``; ``dst`` may be a term.
-
-        With no terms, zeroes ``dst``, which must then exist (its length is not known otherwise).
-        """
-        ...
-
-
-class LocalVectorSpace:
-    """A `VectorSpace` over in-process 1-D numpy arrays that counts what crosses the boundary.
-
-    Indexing (``space["x"] = x0``, ``space["g"]``) is the shard side, used by the evaluate
-    callback and by tests; a coordinator only calls the five operations. ``calls`` counts calls
-    per operation and ``scalars_returned`` the floats handed back (only ``dots`` returns any).
-    Vectors are stored as ``dtype`` (float64 or float32); dot products accumulate in float64.
-    """
-
-    def __init__(
-        self, vectors: Mapping[str, ArrayLike] | None = None, dtype: DTypeLike = np.float64
-    ) -> None:
-        self.dtype = np.dtype(dtype)
-        self._vectors: dict[str, np.ndarray] = {}
-        for name, values in (vectors or {}).items():
-            self[name] = values
-        self.calls: Counter[str] = Counter()
-        self.scalars_returned = 0
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._vectors[name]
-
-    def __setitem__(self, name: str, values: ArrayLike) -> None:
-        self._vectors[name] = np.array(values, dtype=self.dtype).ravel()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._vectors
-
-    def dots(self, pairs: list[tuple[str, str]]) -> list[float]:
-        self.calls["dots"] += 1
-        self.scalars_returned += len(pairs)
-        return [float(self._f64(u) @ self._f64(v)) for u, v in pairs]
-
-    def axpy(self, alpha: float, x: str, y: str) -> None:
-        self.calls["axpy"] += 1
-        self._vectors[y] += float(alpha) * self._vectors[x]
-
-    def scale(self, alpha: float, x: str) -> None:
-        self.calls["scale"] += 1
-        self._vectors[x] *= float(alpha)
-
-    def copy(self, src: str, dst: str) -> None:
-        self.calls["copy"] += 1
-        self._vectors[dst] = self._vectors[src].copy()
-
-    def lincomb(self, dst: str, terms: list[tuple[float, str]]) -> None:
-        self.calls["lincomb"] += 1
-        out = np.zeros_like(self._vectors[terms[0][1] if terms else dst])
-        for c, name in terms:
-            out += float(c) * self._vectors[name]
-        self._vectors[dst] = out
-
-    def _f64(self, name: str) -> np.ndarray:
-        return self._vectors[name].astype(np.float64, copy=False)
-
-
-class LineSearchError(RuntimeError):
-    """No step along the search direction, nor along -g, decreased the loss."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +54,6 @@ class MinimizeResult:
     converged: bool
     message: str
 
-
-Point = tuple[float, float, float]  # (alpha, phi(alpha), phi'(alpha)) along d
 
 
 class LBFGS:
@@ -197,7 +93,6 @@ class LBFGS:
         self.loss: float | None = None  # loss at x, None until evaluated
         # Gram matrix over the basis s0..s{m}, y0..y{m}, g (only referenced entries are valid).
         self._gram = np.zeros((2 * self._slots + 1, 2 * self._slots + 1))
-        self._trial_alpha: float | None = None  # the alpha that x_trial, g_trial now hold
 
     @property
     def grad_norm(self) -> float:
@@ -306,7 +201,6 @@ class LBFGS:
         self.position, self.length = int(state["position"]), int(state["length"])
         self.loss = None if state["loss"] is None else float(state["loss"])
         self._gram = gram
-        self._trial_alpha = None
 
     # Basis indices into the Gram matrix: s{i} -> i, y{i} -> slots + i, g -> 2 * slots.
     def _s(self, slot: int) -> int:
@@ -362,13 +256,13 @@ class LBFGS:
         coef = self._direction()
         terms = [(float(c), self._name(k)) for k, c in enumerate(coef) if c != 0.0]
         self.space.lincomb(D, terms)
-        self._trial_alpha = None
         slope = float(coef @ self._gram[self._g])  # g . d
         if not slope < 0.0:
             raise LineSearchError(f"d is not a descent direction (g.d = {slope})")
         alpha = 1.0 if self.length else min(1.0, 1.0 / self.grad_norm)
         assert self.loss is not None
-        return self._line_search(self.loss, slope, alpha)
+        search = StrongWolfe(self._trial, self.c1, self.c2, self.max_evaluations)
+        return search.search(self.loss, slope, alpha)
 
     def _trial(self, alpha: float) -> tuple[float, float]:
         """Evaluate at ``x + alpha * d`` into x_trial, g_trial; (phi(alpha), phi'(alpha))."""
@@ -376,54 +270,7 @@ class LBFGS:
         loss = float(self.evaluate(X_TRIAL, G_TRIAL))
         self.evaluations += 1
         (slope,) = self.space.dots([(G_TRIAL, D)])
-        self._trial_alpha = alpha
         return loss, slope
-
-    def _armijo(self, f0: float, slope0: float, alpha: float, loss: float) -> bool:
-        return loss <= f0 + self.c1 * alpha * slope0  # False for NaN as well
-
-    def _line_search(self, f0: float, slope0: float, alpha: float) -> tuple[float, float, bool]:
-        """Bracketing phase (N&W Algorithm 3.5), doubling alpha until a bracket is found."""
-        previous: Point = (0.0, f0, slope0)
-        for i in range(self.max_evaluations):
-            loss, slope = self._trial(alpha)
-            current = (alpha, loss, slope)
-            budget = self.max_evaluations - i - 1
-            if not self._armijo(f0, slope0, alpha, loss) or (i > 0 and loss >= previous[1]):
-                return self._zoom(f0, slope0, previous, current, budget)
-            if abs(slope) <= -self.c2 * slope0:
-                return alpha, loss, True
-            if slope >= 0.0:
-                return self._zoom(f0, slope0, current, previous, budget)
-            previous, alpha = current, 2.0 * alpha
-        return self._fallback(previous)
-
-    def _zoom(
-        self, f0: float, slope0: float, lo: Point, hi: Point, budget: int
-    ) -> tuple[float, float, bool]:
-        """Zoom phase (N&W Algorithm 3.6): ``lo`` is the best point satisfying sufficient
-        decrease, and the interval between ``lo`` and ``hi`` holds a strong Wolfe point."""
-        for _ in range(budget):
-            alpha = _cubic_minimizer(lo, hi)
-            loss, slope = self._trial(alpha)
-            if not self._armijo(f0, slope0, alpha, loss) or loss >= lo[1]:
-                hi = (alpha, loss, slope)
-                continue
-            if abs(slope) <= -self.c2 * slope0:
-                return alpha, loss, True
-            if slope * (hi[0] - lo[0]) >= 0.0:
-                hi = lo
-            lo = (alpha, loss, slope)
-        return self._fallback(lo)
-
-    def _fallback(self, lo: Point) -> tuple[float, float, bool]:
-        """Out of evaluations: accept ``lo`` if it is a real decrease, re-evaluating if needed."""
-        alpha, loss, _ = lo
-        if alpha == 0.0:
-            raise LineSearchError(f"no decrease within {self.max_evaluations} evaluations")
-        if self._trial_alpha != alpha:
-            loss, _ = self._trial(alpha)
-        return alpha, loss, False
 
     def _commit(self, loss: float) -> None:
         """Move to the trial point: new pair (s, y) into the spare slot, then x, g; update Gram."""
@@ -438,21 +285,3 @@ class LBFGS:
         if self._gram[s, y] > CURVATURE_EPS * self._gram[y, y]:
             self.position = (slot + 1) % self._slots
             self.length = min(self.length + 1, self.history)
-
-
-def _cubic_minimizer(lo: Point, hi: Point) -> float:
-    """Minimiser of the cubic through two points with slopes (N&W eq. 3.59), kept inside the
-    middle 80% of the interval; bisection when the cubic is unusable."""
-    (a, fa, da), (b, fb, db) = lo, hi
-    left, right = min(a, b), max(a, b)
-    margin = 0.1 * (right - left)
-    d1 = da + db - 3.0 * (fa - fb) / (a - b)
-    discriminant = d1 * d1 - da * db
-    if discriminant >= 0.0:
-        d2 = math.copysign(math.sqrt(discriminant), b - a)
-        denominator = db - da + 2.0 * d2
-        if denominator != 0.0:
-            t = b - (b - a) * (db + d2 - d1) / denominator
-            if left + margin <= t <= right - margin:
-                return t
-    return 0.5 * (a + b)

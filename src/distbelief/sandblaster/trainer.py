@@ -12,9 +12,11 @@ from distbelief.errors import UserError
 from distbelief.metrics import RunLog
 from distbelief.ps.client import PSClient
 from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
-from distbelief.sandblaster.lbfgs import LBFGS, G, LineSearchError
+from distbelief.sandblaster.lbfgs import LBFGS
+from distbelief.sandblaster.linesearch import LineSearchError
 from distbelief.sandblaster.replica import SandblasterReplica
 from distbelief.sandblaster.schedule import PORTIONS_PER_REPLICA
+from distbelief.sandblaster.vectors import G
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
 
