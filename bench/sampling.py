@@ -7,7 +7,7 @@ systems there feed their workers differently: Ray's example gives every worker a
 DataLoader over the whole training set, while a Downpour replica draws from
 data.ReplicaSampler (last partial batch dropped) with --data-split "epoch" (the default: a
 fresh permutation of all rows each epoch, replica r taking every W-th row of it) or "fixed"
-(the paper's data shards: replica r keeps rows r, r + W, ... for the whole run). This script
+(the paper's fixed data splits: replica r keeps rows r, r + W, ... for the whole run). This script
 runs the feeding orders through one plain in-process SGD loop (one torch thread, the same
 model, seed, lr and W x --steps mini-batches as bench/peers.py, gradients applied at once, so
 no staleness and no Ray), once per seed:
