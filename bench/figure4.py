@@ -8,19 +8,16 @@ draws the curves of several result files in one figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from _common import parser as make_parser
+from _common import pyplot, save_figure
 
 
 def plot(curves: dict[str, list], out: str | Path, target: float | None = None) -> Path:
     """Draw ``{method: [(seconds, test accuracy), ...]}`` as one line each; the PNG's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for name, curve in curves.items():
         t, acc = zip(*curve) if curve else ((), ())
         ax.plot(t, acc, "--" if "slow" in name else "-", marker=".", ms=3, label=name)
@@ -30,16 +27,11 @@ def plot(curves: dict[str, list], out: str | Path, target: float | None = None) 
            title="Digits MLP: test accuracy vs wall time", ylim=(0.5, 1.0))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("results", nargs="+", help="sync.json / peers.json files")
     parser.add_argument("--out", default="runs/figure4.png")
     parser.add_argument("--target", type=float, default=0.95)

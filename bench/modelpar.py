@@ -17,16 +17,15 @@ crossed partition boundaries against a naive exchange of whole activations.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
 
-import ray
 import torch
+from _common import parser as make_parser
+from _common import ray_session
 from torch import nn
 
-from distbelief import cluster
 from distbelief.modelpar.layers import LocallyConnected2d
 from distbelief.modelpar.spatial import plan_spatial
 from distbelief.modelpar.worker import PartitionGroup
@@ -77,7 +76,7 @@ def timed(group: PartitionGroup, x, y, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--size", type=int, default=32, help="image side")
@@ -96,24 +95,23 @@ def main() -> None:
     print(f"model: 2 LC layers {args.channels} ch, {args.kernel}x{args.kernel} windows over "
           f"{args.size}x{args.size}, {params / 1e6:.1f} M parameters; batch {args.batch_size}, "
           f"{args.steps} timed steps each")
-    cluster.connect(num_cpus=args.num_cpus)
-    plan = plan_spatial(model, args.partitions)
-    groups = {1: PartitionGroup(model, plan_spatial(model, 1)),
-              args.partitions: PartitionGroup(model, plan)}
-    rates: dict[int, list[float]] = {k: [] for k in groups}
-    try:
-        for g in groups.values():
-            timed(g, x, y, 2)  # warm up: actor start, first allocations
-        for _ in range(args.repeats):  # alternate, so drift hits both alike
-            for k, g in groups.items():
-                rate, bytes_per_step = timed(g, x, y, args.steps)
-                rates[k].append(rate)
-                if k == args.partitions:
-                    crossed = bytes_per_step
-    finally:
-        for g in groups.values():
-            g.kill()
-        ray.shutdown()
+    with ray_session(args.num_cpus):
+        plan = plan_spatial(model, args.partitions)
+        groups = {1: PartitionGroup(model, plan_spatial(model, 1)),
+                  args.partitions: PartitionGroup(model, plan)}
+        rates: dict[int, list[float]] = {k: [] for k in groups}
+        try:
+            for g in groups.values():
+                timed(g, x, y, 2)  # warm up: actor start, first allocations
+            for _ in range(args.repeats):  # alternate, so drift hits both alike
+                for k, g in groups.items():
+                    rate, bytes_per_step = timed(g, x, y, args.steps)
+                    rates[k].append(rate)
+                    if k == args.partitions:
+                        crossed = bytes_per_step
+        finally:
+            for g in groups.values():
+                g.kill()
     naive = plan.naive_bytes(args.batch_size, 4)
     single = in_process(model, x, y, args.steps, 1)
     double = in_process(model, x, y, args.steps, 2)

@@ -36,13 +36,11 @@ Downpour's ratios to each peer, taken within each repeat. Writes OUT/peers.json,
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import json
 import os
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,6 +51,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import (
+    accuracy,
+    add_comparison_args,
+    downpour_curve,
+    fmt,
+    free_port,
+    ray_session,
+    time_to,
+    write_results,
+)
+from _common import parser as make_parser
+from figure4 import plot
 from torch import nn
 
 from distbelief import data, models
@@ -105,11 +115,6 @@ def digits_loaders(batch_size: int, batches: int | None = None):
 def test_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     ds = data.digits()
     return torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
 
 
 # ---------------------------------------------------------------- loading the peers' files
@@ -188,8 +193,6 @@ def load_rpc_peer(path: Path) -> types.ModuleType:
 # ---------------------------------------------------------------- the three systems
 
 def run_downpour(args) -> dict:
-    from sync import downpour_curve
-
     from distbelief import DownpourSGD
 
     ds = data.digits()
@@ -208,8 +211,6 @@ def run_downpour(args) -> dict:
 def run_ray_example(args, path: Path) -> dict:
     import ray
 
-    from distbelief import cluster
-
     peer, driver = load_ray_peer(path)
     peer.ConvNet = net_class(args.hidden, args.seed, peer.ConvNet)
     peer.get_data_loader = _RayLoaders(args.batch_size)
@@ -221,8 +222,7 @@ def run_ray_example(args, path: Path) -> dict:
         curve.append((time.perf_counter() - began[0], acc))
         return 100.0 * acc
 
-    cluster.connect(num_cpus=args.workers + 1)
-    try:
+    with ray_session(args.workers + 1):
         ps = peer.ParameterServer.remote(args.lr)
         workers = [peer.DataWorker.remote() for _ in range(args.workers)]
         ray.get([a.__ray_ready__.remote() for a in [ps, *workers]])
@@ -234,8 +234,6 @@ def run_ray_example(args, path: Path) -> dict:
         train_s = time.perf_counter() - began[0]
         scope["model"].set_weights(ray.get(scope["current_weights"]))
         final = accuracy(scope["model"], x_test, y_test)
-    finally:
-        ray.shutdown()
     curve.append((train_s, final))
     return {"curve": curve, "samples": args.steps * args.workers * args.batch_size,
             "train_s": train_s, "final": final}
@@ -319,9 +317,7 @@ def run_rpc_tutorial(args, path: Path) -> dict:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # as the tutorial's launcher does
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     barrier = ctx.Barrier(args.rpc_trainers)
     with tempfile.TemporaryDirectory() as out:
         procs = [ctx.Process(target=rpc_process, args=(r, args, str(path), port, barrier, out))
@@ -362,29 +358,17 @@ def rpc_steps(args) -> int:
 # ---------------------------------------------------------------- main
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--shards", type=int, default=1, help="Downpour's (the peers have one)")
-    parser.add_argument("--n-fetch", type=int, default=1, help="Downpour's")
-    parser.add_argument("--n-push", type=int, default=1, help="Downpour's")
+    parser = make_parser(__doc__)
+    add_comparison_args(parser, lr=0.2, lr_help="plain SGD, all three systems",
+                        shards_help="Downpour's (the peers have one)")
     parser.add_argument("--rpc-trainers", type=int, default=1,
                         help="the RPC tutorial's trainers (it fails with more than one: "
                              "pytorch/examples#780); they share its W x --steps batches")
-    parser.add_argument("--steps", type=int, default=250, help="mini-batches per worker")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.2, help="plain SGD, all three systems")
-    parser.add_argument("--target", type=float, default=0.95)
-    parser.add_argument("--eval-every", type=float, default=0.05, help="seconds")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", nargs="+", default=["downpour", "ray", "rpc"],
                         choices=["downpour", "ray", "rpc"])
     parser.add_argument("--peers-dir", type=Path, default=Path("/tmp/distbelief-peers"))
     parser.add_argument("--out", default="runs/bench-peers")
     args = parser.parse_args()
-    from sync import fmt, time_to
-
     paths = {"ray": peer_file(args.peers_dir, RAY_FILES, "ray-project/ray")
              if "ray" in args.systems else None,
              "rpc": peer_file(args.peers_dir, (RPC_FILE,), "pytorch/examples")
@@ -438,14 +422,11 @@ def main() -> None:
     if verdict is not None:
         print(f"acceptance (downpour >= 2x ray's samples/s at equal or better final accuracy): "
               f"{'met' if verdict else 'NOT met'}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                "results": results}, indent=1))
-    from figure4 import plot
-
+    written = write_results(args.out, "peers.json",
+                            {"args": {k: str(v) for k, v in vars(args).items()},
+                             "results": results})
     curves = {name: runs[0]["curve"] for name, runs in results.items() if runs}
-    print(f"wrote {out / 'peers.json'} and {plot(curves, out / 'peers.png', args.target)}")
+    print(f"wrote {written} and {plot(curves, Path(args.out) / 'peers.png', args.target)}")
 
 
 if __name__ == "__main__":

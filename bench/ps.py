@@ -20,14 +20,14 @@ change can reach with Ray's calls on this machine.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 import ray
+from _common import parser as make_parser
+from _common import ray_session
 
-from distbelief import cluster
 from distbelief.ps.client import PSClient
 from distbelief.ps.optim import Adagrad
 from distbelief.ps.plan import ShardPlan
@@ -113,7 +113,7 @@ def fetch_rate(client: PSClient, flat: np.ndarray, repeat: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 64])
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeat", type=int, default=10)
@@ -123,58 +123,57 @@ def main() -> None:
     parser.add_argument("--pushers", type=int, nargs="*", default=[2],
                         help="also run P concurrent client actors (f32, 2 in flight each)")
     args = parser.parse_args()
-    cluster.connect(num_cpus=max(args.shards) + 1,
-                    object_store_memory=int(max(2 * 2**30, 12 * max(args.sizes_mb) * 2**20)))
-    print(f"rounds={args.rounds} repeat={args.repeat}; ratio = push MB/s / in-process MB/s, "
-          "median [min-max] over rounds")
-    print(f"{'MB':>5} {'shards':>6} {'variant':>10} {'in-proc MB/s':>12} {'push MB/s':>10} "
-          f"{'ratio':>6} {'range':>11} {'fetch MB/s':>10}")
-    for mb in args.sizes_mb:
-        n = int(mb * 2**20 / 4)
-        base = InProcess(n)
-        legacy = statistics.median(base.rate(args.repeat, legacy=True) for _ in range(3))
-        new = statistics.median(base.rate(args.repeat) for _ in range(3))
-        print(f"{mb:>5g} {'-':>6} {'rule':>10} in-process Adagrad: chunked {new:.0f} MB/s, "
-              f"pre-issue-6 {legacy:.0f} MB/s ({new / legacy:.2f}x)")
-        for shards in args.shards:
-            plan = ShardPlan.build([("w", (n,))], shards)
-            handles = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
-                                             "adagrad", 0.01) for i in range(shards)]
-            grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
-            variants = [(v, 1) for v in args.variants] + [("f32x2", p) for p in args.pushers]
-            fetch = 0.0
-            nulls = [NullShard.remote() for _ in range(shards)]
-            for variant, pushers in variants:
-                null, dtype, k = variant.startswith("null-"), *variant.removeprefix(
-                    "null-").split("x")
-                if pushers == 1:
-                    clients = [PSClient(nulls if null else handles, plan,
-                                        grad_dtype=DTYPES[dtype], max_in_flight=int(k))]
-                else:
-                    clients = [Pusher.remote(handles, plan, DTYPES[dtype], int(k))
-                               for _ in range(pushers)]
-                push_rate(clients, grad, 1)  # warm up: actors up, pages touched
-                rounds = []
-                for _ in range(args.rounds):
-                    b = base.rate(args.repeat)
-                    rounds.append((b, push_rate(clients, grad, args.repeat)))
-                if not fetch and not null:
-                    fetch = statistics.median(fetch_rate(clients[0], flat, args.repeat)
-                                              for _ in range(args.rounds))
-                ratios = sorted(p / b for b, p in rounds)
-                name = variant if pushers == 1 else f"{pushers}x{variant}"
-                print(f"{mb:>5g} {shards:>6} {name:>10} "
-                      f"{statistics.median(b for b, _ in rounds):>12.0f} "
-                      f"{statistics.median(p for _, p in rounds):>10.0f} "
-                      f"{statistics.median(ratios):>6.2f} "
-                      f"{f'[{ratios[0]:.2f}-{ratios[-1]:.2f}]':>11} {fetch:>10.0f}", flush=True)
-                for c in clients:
-                    if not isinstance(c, PSClient):
-                        ray.kill(c)
-            for h in handles + nulls:
-                ray.kill(h)
-        del base
-    ray.shutdown()
+    with ray_session(max(args.shards) + 1,
+                     object_store_memory=int(max(2 * 2**30, 12 * max(args.sizes_mb) * 2**20))):
+        print(f"rounds={args.rounds} repeat={args.repeat}; ratio = push MB/s / in-process MB/s, "
+              "median [min-max] over rounds")
+        print(f"{'MB':>5} {'shards':>6} {'variant':>10} {'in-proc MB/s':>12} {'push MB/s':>10} "
+              f"{'ratio':>6} {'range':>11} {'fetch MB/s':>10}")
+        for mb in args.sizes_mb:
+            n = int(mb * 2**20 / 4)
+            base = InProcess(n)
+            legacy = statistics.median(base.rate(args.repeat, legacy=True) for _ in range(3))
+            new = statistics.median(base.rate(args.repeat) for _ in range(3))
+            print(f"{mb:>5g} {'-':>6} {'rule':>10} in-process Adagrad: chunked {new:.0f} MB/s, "
+                  f"pre-issue-6 {legacy:.0f} MB/s ({new / legacy:.2f}x)")
+            for shards in args.shards:
+                plan = ShardPlan.build([("w", (n,))], shards)
+                handles = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
+                                                 "adagrad", 0.01) for i in range(shards)]
+                grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
+                variants = [(v, 1) for v in args.variants] + [("f32x2", p) for p in args.pushers]
+                fetch = 0.0
+                nulls = [NullShard.remote() for _ in range(shards)]
+                for variant, pushers in variants:
+                    null, dtype, k = variant.startswith("null-"), *variant.removeprefix(
+                        "null-").split("x")
+                    if pushers == 1:
+                        clients = [PSClient(nulls if null else handles, plan,
+                                            grad_dtype=DTYPES[dtype], max_in_flight=int(k))]
+                    else:
+                        clients = [Pusher.remote(handles, plan, DTYPES[dtype], int(k))
+                                   for _ in range(pushers)]
+                    push_rate(clients, grad, 1)  # warm up: actors up, pages touched
+                    rounds = []
+                    for _ in range(args.rounds):
+                        b = base.rate(args.repeat)
+                        rounds.append((b, push_rate(clients, grad, args.repeat)))
+                    if not fetch and not null:
+                        fetch = statistics.median(fetch_rate(clients[0], flat, args.repeat)
+                                                  for _ in range(args.rounds))
+                    ratios = sorted(p / b for b, p in rounds)
+                    name = variant if pushers == 1 else f"{pushers}x{variant}"
+                    print(f"{mb:>5g} {shards:>6} {name:>10} "
+                          f"{statistics.median(b for b, _ in rounds):>12.0f} "
+                          f"{statistics.median(p for _, p in rounds):>10.0f} "
+                          f"{statistics.median(ratios):>6.2f} "
+                          f"{f'[{ratios[0]:.2f}-{ratios[-1]:.2f}]':>11} {fetch:>10.0f}", flush=True)
+                    for c in clients:
+                        if not isinstance(c, PSClient):
+                            ray.kill(c)
+                for h in handles + nulls:
+                    ray.kill(h)
+            del base
 
 
 if __name__ == "__main__":

@@ -23,11 +23,11 @@ points and in test images.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import numpy as np
 import torch
+from _common import parser as make_parser
 from scipy.stats import t
 from torch import nn
 
@@ -66,7 +66,7 @@ def final_accuracy(ds: data.Dataset, order: list, args) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=30)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=250, help="mini-batches per worker")

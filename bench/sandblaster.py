@@ -10,12 +10,12 @@ and their ratio.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-import ray
+from _common import parser as make_parser
+from _common import ray_session
 
-from distbelief import cluster, data, models
+from distbelief import data, models
 from distbelief.sandblaster.trainer import SandblasterLBFGS
 
 
@@ -40,7 +40,7 @@ def batch_times(ds, args, portions: int, backups: bool) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--slow", type=float, default=4.0)
     parser.add_argument("--iterations", type=int, default=3)
@@ -50,10 +50,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     args = parser.parse_args()
     ds = data.synthetic(args.samples, args.features, 10, seed=0)
-    cluster.connect(num_cpus=args.replicas + 2, object_store_memory=512 * 2**20)
-    static = batch_times(ds, args, portions=args.replicas, backups=False)
-    dynamic = batch_times(ds, args, portions=10 * args.replicas, backups=True)
-    ray.shutdown()
+    with ray_session(args.replicas + 2, object_store_memory=512 * 2**20):
+        static = batch_times(ds, args, portions=args.replicas, backups=False)
+        dynamic = batch_times(ds, args, portions=10 * args.replicas, backups=True)
     s, d = statistics.median(static), statistics.median(dynamic)
     print(f"replicas={args.replicas} slow replica 0 x{args.slow:g} rows={len(ds.x_train)} "
           f"model={args.features}-{args.hidden}-10")

@@ -30,8 +30,6 @@ OUT/scale.png.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -39,10 +37,12 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
+from _common import parser as make_parser
+from _common import pyplot, ray_session, save_figure, write_results
 from ps import InProcess  # bench/ps.py (this folder is on sys.path): the same baseline
 from torch import nn
 
-from distbelief import DownpourSGD, cluster, data, models
+from distbelief import DownpourSGD, data, models
 from distbelief.data import ReplicaSampler
 from distbelief.downpour import SEGMENT_STEPS
 from distbelief.ps.client import PSClient
@@ -189,10 +189,7 @@ def repeats_for(n: int, budget: float) -> int:
 
 def plot(grid: list[dict], single: float, costs: list[dict], idle: tuple[int, int],
          out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.8))
@@ -235,15 +232,11 @@ def plot(grid: list[dict], single: float, costs: list[dict], idle: tuple[int, in
     for ax in (b, c):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--total-steps", type=int, default=400,
@@ -267,16 +260,15 @@ def main() -> None:
     largest = int(max(args.sizes)) * 4 if not args.skip_sizes else 0
     store = max(1024 * MB, 6 * largest)
     began = time.perf_counter()
-    cluster.connect(num_cpus=max(args.replicas) + max(args.shards + args.size_shards),
-                    object_store_memory=store)
-    store_real = ray.cluster_resources().get("object_store_memory", store)
-    print(f"Ray {ray.__version__}, object store {store_real / 2**30:.2f} GiB "
-          f"(/dev/shm), {ray.cluster_resources().get('CPU', 0):.0f} logical CPUs on "
-          f"{__import__('os').cpu_count()} cores", flush=True)
-    grid: list[dict] = []
-    costs: list[dict] = []
-    single, idle = 0.0, (0, 0)
-    try:
+    with ray_session(max(args.replicas) + max(args.shards + args.size_shards),
+                     object_store_memory=store):
+        store_real = ray.cluster_resources().get("object_store_memory", store)
+        print(f"Ray {ray.__version__}, object store {store_real / 2**30:.2f} GiB "
+              f"(/dev/shm), {ray.cluster_resources().get('CPU', 0):.0f} logical CPUs on "
+              f"{__import__('os').cpu_count()} cores", flush=True)
+        grid: list[dict] = []
+        costs: list[dict] = []
+        single, idle = 0.0, (0, 0)
         if not args.skip_grid:
             ds = data.digits()
             single = single_rate(args, ds)
@@ -306,17 +298,12 @@ def main() -> None:
                                            base, idle))
                     print_cost(costs[-1], header=len(costs) == 1)
                 del base
-    finally:
-        ray.shutdown()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps({"args": vars(args), "object_store_bytes":
-                                                store_real, "single_steps_s": single,
-                                                "idle_shard_rss_uss": idle,
-                                                "grid": grid, "costs": costs}, indent=1))
-    written = [out / "scale.json"]
+    written = [write_results(args.out, "scale.json",
+                             {"args": vars(args), "object_store_bytes": store_real,
+                              "single_steps_s": single, "idle_shard_rss_uss": idle,
+                              "grid": grid, "costs": costs})]
     if grid and costs:
-        written.append(plot(grid, single, costs, idle, out / "scale.png"))
+        written.append(plot(grid, single, costs, idle, Path(args.out) / "scale.png"))
     print(f"\nwrote {', '.join(map(str, written))} in {time.perf_counter() - began:.0f} s")
 
 

@@ -15,10 +15,11 @@ growth from the smallest to the largest table (the goal is <= 1.5x).
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from distbelief import cluster
+from _common import parser as make_parser
+from _common import ray_session
+
 from distbelief.sparse.ctr import synthetic_ctr
 from distbelief.sparse.models import WideAndDeep
 from distbelief.sparse.trainer import SparseDownpourSGD
@@ -47,19 +48,14 @@ def run(rows: int, samples: int, steps: int, batch: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--rows", type=float, nargs="+", default=[1e5, 1e6, 1e7])
     parser.add_argument("--samples", type=int, default=200_000)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=1024)
     args = parser.parse_args()
-    cluster.connect(num_cpus=4, object_store_memory=512 * MB)
-    try:
+    with ray_session(4, object_store_memory=512 * MB):
         results = [run(int(r), args.samples, args.steps, args.batch_size) for r in args.rows]
-    finally:
-        import ray
-
-        ray.shutdown()
     print(f"samples={args.samples} replicas=2 shards=2 steps/replica={args.steps} "
           f"batch={args.batch_size} tables: deep rows x 8 + wide rows x 1 (float32)")
     print(f"{'rows':>10} {'replica RSS MB':>15} {'fetched/step KB':>16} {'dense fetch MB':>15} "

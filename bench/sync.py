@@ -24,10 +24,8 @@ OUT/sync.json (accuracy curves) and OUT/figure4.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -36,21 +34,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import (
+    accuracy,
+    add_comparison_args,
+    downpour_curve,
+    fmt,
+    free_port,
+    time_to,
+    write_results,
+)
+from _common import parser as make_parser
+from figure4 import plot
 from torch import nn
 
 from distbelief import data, models
 from distbelief.config import SPLITS
 from distbelief.data import ReplicaSampler
-
-
-def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    """First elapsed time at which accuracy reached ``target`` (None if it never did)."""
-    return next((t for t, acc in curve if acc >= target), None)
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
 
 
 def single_process(args, slow: float) -> list[tuple[float, float]]:
@@ -122,9 +121,7 @@ def ddp_worker(rank: int, args, slow: float, port: int, out: str) -> None:
 
 
 def ddp(args, slow: float) -> list[tuple[float, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "curve.json")
         mp.spawn(ddp_worker, args=(args, slow, port, out), nprocs=args.workers, join=True)
@@ -145,35 +142,13 @@ def downpour(args, slow: float) -> list[tuple[float, float]]:
     return downpour_curve(result.events)
 
 
-def downpour_curve(events: list[dict]) -> list[tuple[float, float]]:
-    """(seconds since every actor was up, test accuracy) of a Downpour run's eval events."""
-    start = next(e["t"] for e in events if e["event"] == "placement")
-    return [(e["t"] - start, e["test_accuracy"]) for e in events
-            if e["event"] == "eval" and e["t"] >= start]
-
-
-def fmt(t: float | None) -> str:
-    return "   never" if t is None else f"{t:7.2f}s"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--shards", type=int, default=1,
-                        help="Downpour's (one suits a 19 KB model: every shard is one more "
-                             "Ray call per step)")
-    parser.add_argument("--steps", type=int, default=250, help="mini-batches per worker")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--n-fetch", type=int, default=1)
-    parser.add_argument("--n-push", type=int, default=1)
+    parser = make_parser(__doc__)
+    add_comparison_args(parser, lr=0.05, lr_help="Adagrad, all three methods",
+                        shards_help="Downpour's (one suits a 19 KB model: every shard is one "
+                                    "more Ray call per step)")
     parser.add_argument("--data-split", default="epoch", choices=SPLITS)
-    parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--slow", type=float, default=2.0)
-    parser.add_argument("--eval-every", type=float, default=0.05, help="seconds")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-to-end", dest="stop_at_target", action="store_false",
                         help="DDP and single process: run all steps instead of stopping at "
                              "the target (Downpour always runs all its steps)")
@@ -207,13 +182,9 @@ def main() -> None:
             print(f"{label:<16}: downpour/ddp = {d / s:.2f}" +
                   (f", downpour/single = {d / one:.2f}, ddp/single = {s / one:.2f}"
                    if one else ""))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sync.json").write_text(json.dumps({"args": vars(args), "times": times,
-                                               "curves": curves}, indent=1))
-    from figure4 import plot
-
-    print(f"wrote {out / 'sync.json'} and {plot(curves, out / 'figure4.png', args.target)}")
+    written = write_results(args.out, "sync.json", {"args": vars(args), "times": times,
+                                                     "curves": curves})
+    print(f"wrote {written} and {plot(curves, Path(args.out) / 'figure4.png', args.target)}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ DistBelief paper's image and speech models. Weights are stored position-first, s
 ``(*output_size, out_channels, in_channels, *kernel_size)``, and biases
 ``(*output_size, out_channels)``, so the parameters of a contiguous block of output positions
 are a contiguous slice of each tensor: that is what lets a model partition own just its
-block (see :mod:`distbelief.modelpar.partition`).
+block (see :mod:`distbelief.modelpar.spatial`).
 """
 
 from __future__ import annotations
