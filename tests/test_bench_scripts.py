@@ -1,0 +1,40 @@
+"""Every benchmark runs as a script of the checkout: ``python bench/NAME.py --help``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One interpreter runs every script's --help as `python bench/NAME.py --help` would (the
+# script's folder first on sys.path, run as __main__), so torch and Ray are imported once.
+RUN_ALL = """
+import contextlib, io, json, runpy, sys
+from pathlib import Path
+
+bench = Path("bench").resolve()
+sys.path.insert(0, str(bench))
+report = {}
+for path in sorted(bench.glob("[!_]*.py")):
+    sys.argv, out = [str(path), "--help"], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+        code = "returned without exiting"
+    except SystemExit as exit:
+        code = exit.code
+    report[path.name] = [code, out.getvalue().startswith("usage: ")]
+print(json.dumps(report))
+"""
+
+
+def test_every_bench_script_prints_its_help():
+    names = sorted(p.name for p in (ROOT / "bench").glob("[!_]*.py"))
+    done = subprocess.run([sys.executable, "-c", RUN_ALL], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report == {name: [0, True] for name in names}
