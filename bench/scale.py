@@ -1,7 +1,7 @@
 """Downpour throughput by replicas and shards, and parameter-server cost as the model grows.
 
 Run: .venv/bin/python bench/scale.py [--replicas 1 2 4 8] [--shards 1 2 4]
-     [--sizes 1e5 1e6 1e7 1e8] [--out runs/bench-scale]   (or `distbelief bench scale ...`)
+     [--sizes 1e5 1e6 1e7 1e8] [--out runs/bench-scale]
 
 Part 1, throughput: for every (replicas R, shards S) the real DownpourSGD trainer trains the
 same MLP (digits, 64-HIDDEN-10, seed 0, Adagrad, batch --batch-size, --n-fetch and --n-push 1)

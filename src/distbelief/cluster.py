@@ -24,11 +24,6 @@ from distbelief.errors import UserError
 _LOOPBACK_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
 
-def default_address() -> str | None:
-    """The cluster to join when none is given: ``RAY_ADDRESS`` if set, else embedded."""
-    return os.environ.get("RAY_ADDRESS") or None
-
-
 @contextmanager
 def session(address: str | None = None, num_cpus: int | None = None,
             object_store_memory: int | None = None) -> Iterator[bool]:

@@ -1,11 +1,26 @@
-"""Training configuration: one dataclass, validated before any actor starts."""
+"""Training configuration: one dataclass whose fields carry their section, help and flag.
+
+Each field of :class:`TrainConfig` names its section (``data``, ``model``, ``parallelism``,
+``downpour``, ``sandblaster``, ``run``) and its help text in its metadata. The command line
+(:mod:`distbelief.cli`) and ``--config FILE.toml`` (one table per section) are generated
+from them, so a new option is one field. Attribute access stays flat (``cfg.n_fetch``).
+:meth:`TrainConfig.validate` checks every field, then :meth:`TrainConfig.resolve` decides
+every automatic default, in one place, before any actor starts.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import os
+import time
+import types
+import typing
+import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from distbelief.errors import UserError
 
@@ -16,68 +31,134 @@ MODELS = ("mlp", "lc")
 PARTITION_BY = ("auto", "space", "layers")
 GRAD_DTYPES = ("float32", "float16", "bfloat16")  # wire formats, see distbelief.ps.codec
 SPLITS = ("epoch", "fixed")  # how training rows are dealt to replicas, see data.ReplicaSampler
+PORTIONS_PER_REPLICA = 10  # Sandblaster's portions per batch per replica unless --portions
+SECTIONS = {
+    "data": "what to train on",
+    "model": "the model the command line builds",
+    "parallelism": "replicas, parameter-server shards, model partitions",
+    "downpour": "Downpour SGD (asynchronous mini-batch SGD)",
+    "sandblaster": "Sandblaster L-BFGS (batch L-BFGS over portions)",
+    "run": "algorithm, run folder, checkpoints, cluster, evaluation",
+}
 
 
-def flag(name: str) -> str:
-    """The command-line flag of a config field: ``n_fetch`` -> ``--n-fetch``."""
-    return "--" + name.replace("_", "-")
+def option(default=None, *, section: str, help: str, factory=None, **meta) -> typing.Any:
+    """A config field: ``default`` (or ``factory()``), its ``section`` and ``help`` text.
+
+    ``meta`` may add ``flag`` (a flag other than ``--`` + the dashed name), ``choices``,
+    ``metavar``, ``example`` (a ``KEY:VALUE`` flag's example), and ``auto``/``ctr`` (what a
+    ``None`` default resolves to for other data and for click data).
+    """
+    meta.update(section=section, help=help)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class TrainConfig:
-    """Everything a training run needs; field names match the CLI flags (``--n-fetch`` ...).
+    """Everything a training run needs; each field's metadata holds its section and help.
 
     ``steps`` counts mini-batches per replica (warm-start steps included, on replica 0);
     ``lr`` is the server-side learning rate; ``eval_every_s`` is the wall-clock period of
     the driver's held-out evaluation, in seconds; ``hidden=0`` makes the CLI's model a
-    softmax regression. Sandblaster uses ``iterations`` (L-BFGS steps), ``portions`` per
-    batch, ``portions_per_push``, ``history`` (m pairs), ``l2`` (the objective's
-    ``l2 / 2 * |x|^2`` term) and ``backups``.
+    softmax regression. Fields left ``None`` (and ``portions=0``) are automatic:
+    :meth:`resolve` fills them.
     """
 
-    algorithm: str = "downpour"
-    dataset: str = "digits"
-    samples: int = 10000
-    features: int = 32
-    classes: int = 10
-    rows: int = 1_000_000  # --dataset ctr: rows of each sparse embedding table
-    hidden: int = 64
-    model: str = "mlp"
-    channels: int = 8  # --model lc: channels of each locally connected layer
-    partitions: int = 1  # model-parallel partitions per replica
-    partition_by: str = "auto"  # space (within layers), layers (stages), auto
-    replicas: int = 2
-    shards: int = 2
-    n_fetch: int = 1
-    n_push: int = 1
-    optimizer: str = "adagrad"
-    lr: float = 0.05
-    momentum: float = 0.9
-    batch_size: int = 32
-    steps: int = 300
-    warmstart_steps: int = 0
-    local_update: bool = True
-    data_split: str = "epoch"  # rows dealt to replicas afresh each epoch, or "fixed" shards
-    seed: int = 0
-    eval_every_s: float = 0.5
-    address: str | None = None
-    num_cpus: int | None = None
-    run_dir: str | None = None
-    slow_replicas: dict[int, float] = field(default_factory=dict)
-    grad_dtype: str = "float32"  # gradients on the wire; shards keep float32 either way
-    max_rejected: int = 1000  # abort once the shards have rejected more pushes than this
-    checkpoint_every_s: float = 0.0  # 0: only at the end of the run (and on Ctrl-C)
-    resume: str | None = None
-    # Sandblaster L-BFGS
-    iterations: int = 40
-    portions: int = 0  # 0: PORTIONS_PER_REPLICA per replica
-    portions_per_push: int = 4
-    history: int = 10
-    l2: float = 1e-4
-    backups: bool = True
+    # data
+    dataset: str = option("digits", section="data", choices=DATASETS,
+                          metavar="|".join(DATASETS) + "|FILE.npz",
+                          help="digits, synthetic, ctr (click data), or a .npz file's path")
+    samples: int | None = option(section="data", auto=10000, ctr=2_000_000,
+                                 help="synthetic, ctr: examples")
+    features: int = option(32, section="data", help="synthetic: columns")
+    classes: int = option(10, section="data", help="synthetic: classes")
+    rows: int = option(1_000_000, section="data",
+                       help="ctr: rows of each embedding table (may far exceed memory)")
+    batch_size: int | None = option(section="data", auto=32, ctr=1024, help="mini-batch rows")
+    data_split: str = option("epoch", section="data", choices=SPLITS,
+                             help="downpour: epoch deals each epoch a fresh permutation of all "
+                                  "rows to the replicas; fixed keeps each replica on its own "
+                                  "rows (the paper's data shards)")
+    # model
+    model: str = option("mlp", section="model", choices=MODELS,
+                        help="mlp, or lc: two locally connected layers and a linear readout")
+    hidden: int = option(64, section="model",
+                         help="hidden units of the MLP (0: softmax regression)")
+    channels: int = option(8, section="model", help="lc: channels of each locally connected layer")
+    # parallelism
+    replicas: int = option(2, section="parallelism", help="model replicas")
+    shards: int = option(2, section="parallelism", help="parameter-server shards")
+    partitions: int = option(1, section="parallelism",
+                             help="split each replica's model over K partition actors")
+    partition_by: str = option("auto", section="parallelism", choices=PARTITION_BY,
+                               help="space (within layers: blocks of units), layers (stages), "
+                                    "auto (the partition planner picks one for the model)")
+    slow_replicas: dict[int, float] = option(
+        section="parallelism", factory=dict, flag="--slow-replica", metavar="INDEX:FACTOR",
+        example="0:4", help="make a replica slower (repeatable)")
+    # downpour
+    optimizer: str = option("adagrad", section="downpour", choices=OPTIMIZERS,
+                            help="the shards' update rule")
+    lr: float = option(0.05, section="downpour", help="server-side learning rate")
+    momentum: float = option(0.9, section="downpour", help="for --optimizer momentum")
+    steps: int | None = option(section="downpour", auto=300, ctr=450,
+                               help="mini-batches per replica")
+    warmstart_steps: int = option(0, section="downpour",
+                                  help="steps replica 0 runs alone before the others start")
+    n_fetch: int = option(1, section="downpour", help="fetch every N steps")
+    n_push: int = option(1, section="downpour", help="push every N steps")
+    local_update: bool = option(True, section="downpour",
+                                help="do not apply gradients locally between fetches")
+    grad_dtype: str = option("float32", section="downpour", choices=GRAD_DTYPES,
+                             help="gradients on the wire: float32, or float16/bfloat16 (half "
+                                  "the bytes); shards keep float32 either way")
+    max_rejected: int = option(1000, section="downpour",
+                               help="abort once the shards rejected more pushes (NaN/inf, "
+                                    "bad shape)")
+    # sandblaster
+    iterations: int = option(40, section="sandblaster", help="L-BFGS iterations at most")
+    portions: int = option(0, section="sandblaster",
+                           help=f"portions per batch (0: {PORTIONS_PER_REPLICA} per replica)")
+    portions_per_push: int = option(4, section="sandblaster",
+                                    help="accepted portions a replica sums before staging them")
+    history: int = option(10, section="sandblaster", help="L-BFGS m (pairs kept)")
+    l2: float = option(1e-4, section="sandblaster", help="weight of the l2/2 |x|^2 term")
+    backups: bool = option(True, section="sandblaster",
+                           help="no backup copies of unfinished portions")
+    # run
+    algorithm: str = option("downpour", section="run", choices=ALGORITHMS,
+                            help="the training algorithm")
+    seed: int = option(0, section="run", help="seed of data, model and sampling")
+    run_dir: str | None = option(section="run", metavar="DIR",
+                                 help="output folder (command line: default runs/<time>; "
+                                      "with --resume, its folder)")
+    resume: str | None = option(section="run", metavar="RUN_DIR",
+                                help="continue the run in RUN_DIR from its newest complete "
+                                     "checkpoint")
+    checkpoint_every_s: float = option(
+        0.0, section="run", flag="--checkpoint-every", metavar="SECONDS",
+        help="seconds between shard checkpoints (downpour 0: only at the end and on Ctrl-C; "
+             "sandblaster: after the first iteration that many seconds after the last, so 0 "
+             "is every iteration)")
+    eval_every_s: float = option(0.5, section="run", flag="--eval-every", metavar="SECONDS",
+                                 help="seconds between held-out evaluations")
+    address: str | None = option(section="run", metavar="HOST:PORT",
+                                 help="Ray cluster to join (command line: default "
+                                      "$RAY_ADDRESS, else an embedded local Ray)")
+    num_cpus: int | None = option(section="run",
+                                  help="embedded Ray's logical CPUs (default: one per actor, "
+                                       "at least 2)")
 
-    def validate(self) -> TrainConfig:
-        """Raise :class:`UserError` naming the first bad field's flag and the fix.
+    @property
+    def click_data(self) -> bool:
+        """Whether ``dataset`` is click data (``ctr`` or a .npz of ids/labels)."""
+        return self.dataset == "ctr" or is_ctr_file(self.dataset)
+
+    def validate(self, *, command_line: bool = False) -> TrainConfig:
+        """Raise :class:`UserError` naming the first bad field's flag and the fix, then
+        :meth:`resolve` the automatic defaults; returns self.
 
         Path fields may be given as :class:`os.PathLike` (``pathlib.Path``); they become
         ``str`` here, so the config stays JSON-ready.
@@ -101,7 +182,8 @@ class TrainConfig:
                             f"downpour only, not {self.algorithm}: drop --algorithm")
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
                      "samples", "features", "rows"):
-            _at_least(name, getattr(self, name), 1)
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
         _at_least("hidden", self.hidden, 0)
         _at_least("classes", self.classes, 2)
         for name in ("iterations", "portions_per_push", "history"):
@@ -111,15 +193,11 @@ class TrainConfig:
             raise UserError(f"{flag('l2')} must be a finite number >= 0 (got {self.l2!r})")
         _at_least("warmstart_steps", self.warmstart_steps, 0)
         _at_least("max_rejected", self.max_rejected, 0)
-        if self.warmstart_steps > self.steps:
-            raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "
-                            f"{flag('steps')} ({self.steps}): warm-start steps are part of "
-                            "replica 0's steps, so pass a smaller value")
         _positive("lr", self.lr)
         _positive("eval_every_s", self.eval_every_s)
         if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
-            raise UserError(f"{flag('checkpoint_every_s').replace('-s', '')} must be >= 0 "
-                            f"seconds (got {self.checkpoint_every_s})")
+            raise UserError(f"{flag('checkpoint_every_s')} must be >= 0 seconds "
+                            f"(got {self.checkpoint_every_s})")
         if not (0.0 <= self.momentum < 1.0):
             raise UserError(f"{flag('momentum')} must be in [0, 1) (got {self.momentum})")
         if self.num_cpus is not None:
@@ -130,13 +208,117 @@ class TrainConfig:
                                 f"replicas are 0..{self.replicas - 1}")
             if not (math.isfinite(factor) and factor >= 1.0):
                 raise UserError(f"--slow-replica {index}:{factor}: the factor must be >= 1")
+        self.resolve(command_line=command_line)
+        if self.warmstart_steps > self.steps:
+            raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "
+                            f"{flag('steps')} ({self.steps}): warm-start steps are part of "
+                            "replica 0's steps, so pass a smaller value")
+        return self
+
+    def resolve(self, *, command_line: bool = False) -> TrainConfig:
+        """Fill every automatic default in place; the one place they are decided. Returns
+        self; resolving again changes nothing (pass the unresolved config to derive a run
+        with other replicas or shards).
+
+        - ``samples``, ``batch_size``, ``steps`` left ``None``: the field's ``auto`` value,
+          or its ``ctr`` value for click data (:attr:`click_data`).
+        - ``portions`` 0: ``PORTIONS_PER_REPLICA`` per replica (Sandblaster caps it at the
+          training rows).
+        - ``num_cpus`` ``None``: one logical CPU per actor, ``replicas * partitions +
+          shards``, at least 2 (used by an embedded Ray only).
+        - ``run_dir`` ``None``: the ``resume`` folder; else, on the command line
+          (``command_line=True``), ``runs/<local time>`` (the Python API keeps none).
+        - ``address`` ``None``: on the command line, ``$RAY_ADDRESS`` (else embedded).
+
+        ``partition_by="auto"`` depends on the model; the partition planner
+        (``distbelief.modelpar``) decides it.
+        """
+        click = self.click_data
+        for f in dataclasses.fields(self):
+            if "auto" in f.metadata and getattr(self, f.name) is None:
+                setattr(self, f.name, f.metadata["ctr" if click else "auto"])
+        if self.portions == 0:
+            self.portions = PORTIONS_PER_REPLICA * self.replicas
+        if self.num_cpus is None:
+            self.num_cpus = max(2, self.replicas * self.partitions + self.shards)
+        if self.run_dir is None:
+            self.run_dir = self.resume
+        if command_line:
+            if self.run_dir is None:
+                self.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+            if self.address is None:
+                self.address = os.environ.get("RAY_ADDRESS") or None
         return self
 
     def to_dict(self) -> dict:
-        """A JSON-ready copy (slow-replica keys become strings)."""
+        """A flat JSON-ready copy (slow-replica keys become strings), as in config.json."""
         out = dataclasses.asdict(self)
         out["slow_replicas"] = {str(k): v for k, v in self.slow_replicas.items()}
         return out
+
+    def sections(self) -> dict[str, dict]:
+        """The fields by section, as a ``--config`` file holds them (``None`` left out)."""
+        out: dict[str, dict] = {name: {} for name in SECTIONS}
+        for name, value in self.to_dict().items():
+            if value is not None:
+                out[FIELDS[name].metadata["section"]][name] = value
+        return out
+
+    def to_toml(self) -> str:
+        """The config as a TOML file that ``distbelief train --config FILE`` reads back."""
+        blocks = []
+        for section, values in self.sections().items():
+            lines = [f"{name} = {toml_value(value)}" for name, value in values.items()]
+            blocks.append("\n".join([f"[{section}]", *lines]))
+        return "\n\n".join(blocks) + "\n"
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config field: ``n_fetch`` -> ``--n-fetch``; a field's
+    ``flag`` metadata names another (``--eval-every``); a boolean on by default is
+    ``--no-...``."""
+    f = FIELDS.get(name)
+    if f is not None and "flag" in f.metadata:
+        return f.metadata["flag"]
+    if f is not None and f.default is True:
+        return "--no-" + name.replace("_", "-")
+    return "--" + name.replace("_", "-")
+
+
+@functools.cache
+def field_type(name: str) -> type:
+    """The value type of field ``name``: int, float, str, bool or dict (``None`` aside)."""
+    hint = typing.get_type_hints(TrainConfig)[name]
+    if isinstance(hint, types.UnionType):  # ``int | None``
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def is_ctr_file(path: str) -> bool:
+    """Whether ``path`` is a .npz in the CTR layout (has an ``ids`` or ``labels`` array)."""
+    if not (path.endswith(".npz") and os.path.isfile(path)):
+        return False
+    try:
+        with zipfile.ZipFile(path) as npz:
+            arrays = {name.removesuffix(".npy") for name in npz.namelist()}
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return "ids" in arrays or "labels" in arrays
+
+
+def toml_value(value: typing.Any) -> str:
+    """A TOML literal of a config value (str, bool, int, float, or a flat dict of them)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        items = ", ".join(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # JSON's escapes are TOML's
+    return repr(value)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

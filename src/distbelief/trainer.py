@@ -119,12 +119,9 @@ class Trainer:
                                                    cfg.partition_by, x_train.shape[1:])
         self.restored = None
         if cfg.resume:
-            if cfg.run_dir is None:
-                self.cfg = cfg = dataclasses.replace(cfg, run_dir=cfg.resume)
             self.restored = latest_checkpoint(cfg.resume, self.plan, self._state_names())
             self._check_restored()
-        num_cpus = cfg.num_cpus or max(2, cfg.replicas * cfg.partitions + cfg.shards)
-        with cluster.session(cfg.address, num_cpus=num_cpus,
+        with cluster.session(cfg.address, num_cpus=cfg.num_cpus,
                              object_store_memory=store_bytes(x_train, self.plan)):
             log = RunLog(cfg.run_dir)
             log.write_json("config.json", cfg.to_dict())

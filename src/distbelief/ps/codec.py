@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from distbelief.config import GRAD_DTYPES
 from distbelief.ps.optim import CHUNK
 
-GRAD_DTYPES = ("float32", "float16", "bfloat16")
 WIRE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                "bfloat16": np.dtype(np.uint16)}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-PORTIONS_PER_REPLICA = 10
+from distbelief.config import PORTIONS_PER_REPLICA
 
 
 def portion_bounds(n_samples: int, n_portions: int) -> list[tuple[int, int]]:

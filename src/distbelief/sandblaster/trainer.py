@@ -15,7 +15,6 @@ from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
 from distbelief.sandblaster.lbfgs import LBFGS
 from distbelief.sandblaster.linesearch import LineSearchError
 from distbelief.sandblaster.replica import SandblasterReplica
-from distbelief.sandblaster.schedule import PORTIONS_PER_REPLICA
 from distbelief.sandblaster.vectors import G
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
@@ -76,8 +75,7 @@ class SandblasterLBFGS(Trainer):
                 float(cfg.slow_replicas.get(i, 1.0)), **extra)
 
         space = ShardVectorSpace(shards)
-        portions = cfg.portions or PORTIONS_PER_REPLICA * cfg.replicas
-        runner = PortionRunner(space, start, cfg.replicas, len(x), min(portions, len(x)),
+        runner = PortionRunner(space, start, cfg.replicas, len(x), min(cfg.portions, len(x)),
                                cfg.portions_per_push, backups=cfg.backups)
         try:
             return self._coordinate(log, began, shards, space, runner, evaluator, len(x))

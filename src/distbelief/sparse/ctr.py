@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distbelief.data import TEST_FRACTION
 from distbelief.errors import UserError
 from distbelief.sparse.table import hash_keys, uniform01
 
@@ -22,14 +23,8 @@ FIELDS = 8
 ZIPF_EXPONENT = 1.5  # id popularity ~ 1 / rank**s within each field
 WEIGHT_SCALE = 0.6  # std of each hidden per-row weight (sets the truth's AUC, about 0.8)
 BIAS = -1.5  # hidden intercept (the click rate also depends on the head ids' weights)
-TEST_FRACTION = 0.2
 MAX_TEST = 100_000
 _WEIGHT_KEY = 0x5EED_C7A  # separates the hidden weights' hash stream from the tables'
-# What the CLI uses for a ctr run's flags the user leaves out (the digits defaults are far
-# too small for click data): examples generated, rows per mini-batch, steps per replica
-# (with 4 replicas about one pass over the 1.9M training examples: a second pass overfits
-# the rare ids).
-CTR_DEFAULTS = {"samples": 2_000_000, "batch_size": 1024, "steps": 450}
 
 
 @dataclass
@@ -100,17 +95,6 @@ def synthetic_ctr(samples: int, rows: int, seed: int = 0, fields: int = FIELDS) 
     n_test = max(1, min(MAX_TEST, int(samples * TEST_FRACTION)))
     cut = samples - n_test
     return CTRData("ctr", rows, ids[:cut], labels[:cut], ids[cut:], labels[cut:], p[cut:])
-
-
-def is_ctr_file(path: str) -> bool:
-    """Whether ``path`` is a .npz in the CTR layout (has an ``ids`` or ``labels`` array)."""
-    if not (path.endswith(".npz") and os.path.isfile(path)):
-        return False
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            return "ids" in npz.files or "labels" in npz.files
-    except (OSError, ValueError):
-        return False
 
 
 def ctr_from_npz(path: str, rows: int) -> CTRData:
