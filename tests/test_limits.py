@@ -105,3 +105,9 @@ def test_a_run_dir_in_a_read_only_folder_is_refused(tmp_path):
     locked.mkdir(mode=0o555)
     one_line("cannot be created: no write permission in", check_run_dir, locked / "run")
     one_line("cannot be written: no write permission in", check_run_dir, locked)
+
+
+def test_a_run_dir_without_write_permission_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as root sees a 0o555 folder
+    one_line("cannot be created: no write permission in", check_run_dir, tmp_path / "run")
+    one_line("cannot be written: no write permission in", check_run_dir, tmp_path)

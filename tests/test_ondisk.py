@@ -120,3 +120,17 @@ def test_no_such_folder_and_unknown_split(tmp_path):
         DiskRows(tmp_path / "nope")
     with pytest.raises(UserError, match="split 'val' is unknown"):
         DiskRows(tmp_path, "val")
+
+
+def test_the_tool_writes_a_shipped_data_set_as_a_folder(tmp_path, capsys):
+    from distbelief.data import digits
+    from distbelief.ondisk import main
+
+    assert main(["digits", str(tmp_path / "d"), "--rows-per-file", "500"]) == 0
+    rows, ds = DiskRows(tmp_path / "d"), digits()
+    assert len(rows) == len(ds.y_train) and rows.classes == 10
+    np.testing.assert_array_equal(rows.rows(np.arange(len(rows)))[0], ds.x_train)
+    assert main(["digits", str(tmp_path / "d")]) == 2  # not empty
+    assert main(["cifar", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "is not an empty folder" in err[0] and "is unknown" in err[1]

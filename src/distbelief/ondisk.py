@@ -243,3 +243,33 @@ class DiskRows:
         """All rows in order, ``batch_size`` at a time (the last batch may be smaller)."""
         for start in range(0, len(self), batch_size):
             yield self.rows(np.arange(start, min(start + batch_size, len(self))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distbelief.ondisk SOURCE DIR``: write ``digits``, ``mnist`` or a ``.npz``
+    (see ``data.from_npz``) as a data folder ``DIR`` for ``--dataset DIR``."""
+    import argparse
+    import sys
+
+    from distbelief import data
+
+    parser = argparse.ArgumentParser(prog="python -m distbelief.ondisk", description=main.__doc__)
+    parser.add_argument("source", help="digits, mnist or the path of a .npz file")
+    parser.add_argument("dir", help="a new (or empty) folder to write")
+    parser.add_argument("--rows-per-file", type=int, default=16384)
+    args = parser.parse_args(argv)
+    try:
+        if args.source not in ("digits", "mnist") and not args.source.endswith(".npz"):
+            raise UserError(f"SOURCE {args.source!r} is unknown: choose digits, mnist or a .npz")
+        ds = data.load(args.source)
+        out = write_arrays(args.dir, ds.x_train, ds.y_train, ds.x_test, ds.y_test,
+                           args.rows_per_file, ds.classes)
+    except UserError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(ds.y_train)} training and {len(ds.y_test)} test rows to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
