@@ -117,3 +117,42 @@ def test_a_file_that_fails_to_import_is_one_line(tmp_path):
     needs = tmp_path / "needs_net.py"
     needs.write_text("import not_installed_pkg_xyz\n")
     one_line_error("raised ModuleNotFoundError", load_factory, f"{needs}:build")
+
+
+CUSTOM = """
+import torch
+from torch import nn
+
+class Doubler(nn.Module):
+    def __init__(self, features):
+        super().__init__()
+        self.linear = nn.Linear(features, 10)
+
+    def forward(self, x):
+        return 2 * self.linear(x)
+
+def build(features=64):
+    return Doubler(features)
+"""
+
+
+def test_a_model_from_a_file_reaches_a_process_that_cannot_import_the_file(tmp_path):
+    import subprocess
+
+    from ray import cloudpickle
+
+    from distbelief.usermodel import ship_by_value
+
+    path = tmp_path / "custom_net.py"
+    path.write_text(CUSTOM)
+    spec = f"{path}:build"
+    model = build_model(spec, {"features": 4}, (4,), 10, seed=0)
+    ship_by_value(load_factory(spec))
+    blob = cloudpickle.dumps(model)
+    path.unlink()
+    code = ("import pickle, sys, torch; m = pickle.loads(sys.stdin.buffer.read()); "
+            "print(type(m).__name__, m(torch.ones(1, 4)).shape[1])")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().split() == ["Doubler", "10"]

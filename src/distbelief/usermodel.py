@@ -128,6 +128,18 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return factory
 
 
+def ship_by_value(factory: Callable[..., Any]) -> None:
+    """Make Ray pickle the module of a user's ``factory`` by value, so that a model built from
+    it (its classes and functions) reaches replicas that cannot import that module: a ``.py``
+    file given by path, or a module on the driver's ``PYTHONPATH`` only. Imports Ray."""
+    module = sys.modules.get(getattr(factory, "__module__", "") or "")
+    if module is None or module.__name__.split(".")[0] in ("distbelief", "torch", "builtins"):
+        return
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+
+
 def build_model(spec: str, args: Mapping[str, Any], input_shape: tuple[int, ...],
                 classes: int, seed: int | None = None) -> nn.Module:
     """Call ``--model spec``'s factory with ``args``, seeded by ``seed`` (``torch.manual_seed``
