@@ -61,11 +61,11 @@ def main() -> None:
                 times["torch"].append(per_update(TorchRule(cls, 0.01, kwargs), n, args.repeat))
             t_torch = statistics.median(times["torch"]) * 1e3
             if numpy_rule is None:
-                print(f"{mb:6.0f} MB  {name:9s} numpy     -    torch {t_torch:8.2f}")
+                print(f"{mb:6g} MB  {name:9s} numpy     -    torch {t_torch:8.3f}")
                 continue
             t_numpy = statistics.median(times["numpy"]) * 1e3
             ratio = statistics.median(t / u for t, u in zip(times["torch"], times["numpy"]))
-            print(f"{mb:6.0f} MB  {name:9s} numpy {t_numpy:8.2f}  torch {t_torch:8.2f}  "
+            print(f"{mb:6g} MB  {name:9s} numpy {t_numpy:8.3f}  torch {t_torch:8.3f}  "
                   f"ratio {ratio:5.2f}")
 
 

@@ -112,8 +112,8 @@ def coerce_args(cls: type[torch.optim.Optimizer], raw: Mapping[str, object],
 
 def _typed(where: str, value: object, default: object) -> object:
     """``value`` as the type of ``default`` (bool, tuple of floats, or number)."""
-    if not isinstance(value, str):
-        return value
+    if not isinstance(value, str):  # from a config file: already typed
+        return tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
     text = value.strip().lower()
     if isinstance(default, bool):
         if text in ("true", "1", "yes"):
