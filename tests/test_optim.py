@@ -264,6 +264,7 @@ def test_parse_optimizer_args_and_typing():
                                          "amsgrad=true", "eps=1e-6"])
     assert rule.kwargs == {"betas": (0.9, 0.99), "weight_decay": 0.01, "amsgrad": True,
                            "eps": 1e-6}
+    assert make_rule("adam", 0.01, args={"betas": [0.8, 0.9]}).kwargs == {"betas": (0.8, 0.9)}
     assert make_rule("sgd", 0.1, args=["momentum=0.5", "dampening=0.1"]).kwargs == {
         "momentum": 0.5, "dampening": 0.1}
 
