@@ -20,7 +20,7 @@ from distbelief.ps.vectors import VectorStore
 class ShardCore(PushFetch, VectorStore):
     """Everything a shard offers over its one slice: Downpour's fetches and pushes
     (:class:`PushFetch`) and Sandblaster's named vectors and staging (:class:`VectorStore`),
-    each whole or by flat ranges, on the shared state of :class:`~distbelief.ps.slice.ShardSlice`."""
+    each whole or by flat ranges, on the state of :class:`~distbelief.ps.slice.ShardSlice`."""
 
 
 @ray.remote
