@@ -22,10 +22,10 @@ from distbelief.data import ReplicaSampler
 from distbelief.host import HostFactory
 
 
-@ray.remote
-class DownpourReplica:
+class ReplicaLoop:
     """One model replica: its data split and sampler, the fetch/push schedule, the local
-    update between fetches, the straggler slow-down and the step events, over any host.
+    update between fetches, the straggler slow-down and the step events, over any host
+    (plain Python; :data:`DownpourReplica` is the actor).
 
     ``x`` and ``y`` are the whole training set (the sampler picks this replica's rows);
     ``start_step`` is where a restarted replica resumes its schedule and data order.
@@ -89,3 +89,6 @@ class DownpourReplica:
 
     def counters(self) -> dict:
         return self.host.counters()
+
+
+DownpourReplica = ray.remote(ReplicaLoop)  # the replica actor; its methods are remote methods

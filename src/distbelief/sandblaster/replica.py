@@ -23,9 +23,9 @@ from distbelief import cluster
 from distbelief.host import HostFactory
 
 
-@ray.remote
-class SandblasterReplica:
-    """Computes portions on its host; stages the accepted ones' gradient sum on the shards.
+class PortionReplica:
+    """Computes portions on its host; stages the accepted ones' gradient sum on the shards
+    (plain Python; :data:`SandblasterReplica` is the actor).
 
     ``x`` and ``y`` are the whole training set (portions are row ranges of it); ``slow``
     makes this replica that many times slower (a straggler, for tests and benchmarks).
@@ -103,3 +103,6 @@ class SandblasterReplica:
             self.pending.discard(p)
             if keep:
                 self.held.append(p)
+
+
+SandblasterReplica = ray.remote(PortionReplica)  # the actor; its methods are remote methods
