@@ -6,11 +6,8 @@ import ast
 import importlib
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 400
-KNOWN_CYCLE = {"distbelief.downpour", "distbelief.modelpar.replica"}
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -107,12 +104,6 @@ def test_the_graph_counts_function_local_and_relative_imports(tmp_path):
     assert cycles(graph) == [{"pkg.a", "pkg.sub.b"}]
 
 
-def test_no_import_cycle_besides_the_known_one():
-    assert [c for c in cycles(import_graph(SRC, "distbelief")) if c != KNOWN_CYCLE] == []
-
-
-@pytest.mark.xfail(strict=True, reason="downpour<->modelpar.replica cycle, removed by the "
-                                       "replica redesign")
 def test_no_import_cycle():
     assert cycles(import_graph(SRC, "distbelief")) == []
 

@@ -3,6 +3,7 @@
 import copy
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -11,11 +12,12 @@ import torch
 from torch import nn
 
 from distbelief import DownpourSGD, data, models
+from distbelief.modelpar.core import flat_runs, owned_ranges
 from distbelief.modelpar.layers import LocallyConnected1d, LocallyConnected2d
 from distbelief.modelpar.layerwise import plan_layerwise
 from distbelief.modelpar.plan import plan_partitions
 from distbelief.modelpar.spatial import plan_spatial
-from distbelief.modelpar.worker import PartitionGroup, flat_runs, owned_ranges
+from distbelief.modelpar.worker import PartitionGroup
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 
@@ -166,8 +168,9 @@ def test_a_killed_partition_restarts_its_replica_and_the_run_finishes(digits):
 def test_model_parallel_sandblaster_replicas_give_the_exact_full_batch_gradient(digits):
     """Portions on 3 model-parallel replicas (one slow, so backups run): every portion counts
     once, the gradient staged part by part equals the whole model's full-batch gradient."""
-    from distbelief.modelpar.replica import ModelParallelSandblasterReplica
+    from distbelief.modelpar.host import PartitionedHost
     from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
+    from distbelief.sandblaster.replica import SandblasterReplica
 
     x, y = digits.x_train[:600], digits.y_train[:600]
     model = models.lc(digits.features, 4, digits.classes, 1)
@@ -183,9 +186,9 @@ def test_model_parallel_sandblaster_replicas_give_the_exact_full_batch_gradient(
     plan, x_ref, y_ref, actors = plan_partitions(model, 2), ray.put(x), ray.put(y), []
 
     def start(i):
-        actors.append(ModelParallelSandblasterReplica.remote(
-            i, copy.deepcopy(model), nn.CrossEntropyLoss(), shard_plan, shards, x_ref, y_ref,
-            4.0 if i == 0 else 1.0, partition_plan=plan))
+        host = partial(PartitionedHost, copy.deepcopy(model), shard_plan, shards, plan)
+        actors.append(SandblasterReplica.remote(i, host, nn.CrossEntropyLoss(), x_ref, y_ref,
+                                                4.0 if i == 0 else 1.0))
         return actors[-1]
 
     try:

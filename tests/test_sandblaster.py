@@ -3,6 +3,7 @@
 import copy
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from distbelief import data, models
 from distbelief.cli import main
+from distbelief.ps.host import FlatHost
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
@@ -51,9 +53,9 @@ class Rig:
         self.actors = []
 
         def start(i):
-            actor = SandblasterReplica.remote(i, copy.deepcopy(model),
-                                              torch.nn.CrossEntropyLoss(), self.plan,
-                                              self.shards, x_ref, y_ref, slow.get(i, 1.0))
+            host = partial(FlatHost, copy.deepcopy(model), self.plan, self.shards)
+            actor = SandblasterReplica.remote(i, host, torch.nn.CrossEntropyLoss(), x_ref, y_ref,
+                                              slow.get(i, 1.0))
             self.actors.append(actor)
             return actor
 

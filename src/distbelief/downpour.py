@@ -14,169 +14,22 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
+from functools import partial
 
-import numpy as np
 import ray
-import torch
 from torch import nn
 
-from distbelief import cluster
-from distbelief.config import TrainConfig
-from distbelief.data import ReplicaSampler
 from distbelief.errors import UserError
-from distbelief.flat import FlatModel
+from distbelief.host import HostFactory
 from distbelief.metrics import RunLog
-from distbelief.ps.client import INLINE_BYTES, PSClient
-from distbelief.ps.plan import ShardPlan
+from distbelief.modelpar.host import PartitionedHost
+from distbelief.ps.client import PSClient
+from distbelief.ps.host import FlatHost
+from distbelief.replica import DownpourReplica
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
 SEGMENT_STEPS = 10  # steps a replica runs per driver call; small keeps the driver responsive
 MAX_RESTARTS = 3  # per replica, before it is dropped and the others carry on
-
-
-class ReplicaLoop:
-    """What every kind of Downpour replica shares (dense, sparse, model-parallel): its data
-    shard and sampler, the fetch/push schedule, the local update between fetches, the
-    straggler slow-down and the step events. A kind supplies ``_fetch`` (start or do the
-    fetch; return extra event fields), ``_step(rows)`` (forward, backward, accrue; the loss),
-    ``_end_step(push, local)`` (push if ``push``; apply the step's gradient locally with plain
-    SGD if ``local``), ``_versions``, ``finish`` and ``counters``.
-    """
-
-    event_fields: dict = {}  # extra fields of an event whose step did not fetch
-
-    def _setup(self, index: int, cfg: TrainConfig, loss_fn: nn.Module, n_rows: int,
-               y: np.ndarray, start_step: int) -> None:
-        torch.set_num_threads(1)
-        self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
-        self.sampler = ReplicaSampler(n_rows, index, cfg.replicas, cfg.batch_size, cfg.seed,
-                                      cfg.data_split)
-        self.y = torch.from_numpy(np.asarray(y))
-        self.step = start_step
-        self.since_push = 0
-        self.slow = float(cfg.slow_replicas.get(index, 1.0))
-
-    def where(self) -> str:
-        return cluster.node_id()
-
-    def run(self, n_steps: int) -> dict:
-        """Run ``n_steps`` steps; returns their events and this replica's counters."""
-        cfg, events = self.cfg, []
-        for _ in range(n_steps):
-            began = time.perf_counter()
-            fetched = self.step % cfg.n_fetch == 0
-            fields = self._fetch() if fetched else self.event_fields
-            loss = self._step(self.sampler.batch(self.step))
-            self.since_push += 1
-            pushed = self.since_push == cfg.n_push
-            if pushed:
-                self.since_push = 0
-            self._end_step(pushed, cfg.local_update and (self.step + 1) % cfg.n_fetch != 0)
-            if self.slow > 1.0:
-                time.sleep((self.slow - 1.0) * (time.perf_counter() - began))
-            events.append({"t": time.time(), "replica": self.index, "step": self.step,
-                           "loss": loss, "versions": self._versions(),
-                           "fetched": fetched, "pushed": pushed, **fields})
-            self.step += 1
-        return {"events": events, "step": self.step, **self._after_run(events)}
-
-    def _after_run(self, events: list[dict]) -> dict:
-        """This replica's counters after a run (a kind may also annotate the events)."""
-        return self.counters()
-
-
-class DenseLoop(ReplicaLoop):
-    """A replica loop whose dense parameters are one flat buffer (:class:`FlatModel`), fetched
-    and pushed whole through a :class:`PSClient`."""
-
-    def _setup_dense(self, model: nn.Module, plan: ShardPlan, client: PSClient) -> None:
-        self.flat, self.client = FlatModel(model, plan), client
-        self.accrued = torch.zeros_like(self.flat.grad) if self.cfg.n_push > 1 else None
-
-    def _backward(self, loss: torch.Tensor) -> float:
-        """Back-propagate ``loss`` into the flat gradient and accrue it; the loss."""
-        loss.backward()
-        self.flat.sync_grads()
-        if self.accrued is not None:
-            self.accrued += self.flat.grad
-        return float(loss)
-
-    def _end_step(self, push: bool, local: bool) -> None:
-        if push:
-            self._push()
-        if local:
-            self._local_update()
-
-    def _fetch_due_next(self) -> bool:
-        return (self.step + 1) % self.cfg.n_fetch == 0
-
-    def _local_update(self) -> None:
-        with torch.no_grad():
-            self.flat.flat.add_(self.flat.grad, alpha=-self.cfg.lr)
-
-    def _versions(self) -> list[int]:
-        return list(self.client.versions)
-
-    def _push(self) -> None:
-        grad = self.accrued if self.accrued is not None else self.flat.grad
-        self.client.push(grad.numpy())
-        if self.accrued is not None:
-            self.accrued.zero_()
-        self.since_push = 0
-
-
-@ray.remote
-class DownpourReplica(DenseLoop):
-    """One model replica: fetch every ``n_fetch`` steps, push every ``n_push`` steps."""
-
-    def __init__(self, index: int, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan,
-                 shards: list, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
-                 start_step: int = 0, shard_names: list[str] | None = None) -> None:
-        self._setup(index, cfg, loss_fn, len(x), y, start_step)
-        self._setup_dense(model, plan, PSClient(shards, plan, replica=index, names=shard_names,
-                                                grad_dtype=cfg.grad_dtype))
-        self.x = torch.from_numpy(np.asarray(x))
-        self._fetched_early = False
-
-    def _fetch(self) -> dict:
-        if self._fetched_early:  # the last push brought this step's parameters back
-            self._fetched_early = False
-        else:
-            self.client.fetch_into(self.flat.flat_np)
-        return {}
-
-    def _push(self) -> None:
-        """A push whose next step fetches, of a gradient small enough to travel inline, is
-        one call per shard that also brings the parameters back (:meth:`PSClient.
-        push_fetch_into`); the next step then uses them. Otherwise push and fetch are
-        separate calls and the push overlaps the next step."""
-        grad = self.accrued if self.accrued is not None else self.flat.grad
-        if self._fetch_due_next() and grad.numel() * 4 <= INLINE_BYTES:
-            self.client.push_fetch_into(grad.numpy(), self.flat.flat_np)
-            self._fetched_early = True
-            if self.accrued is not None:
-                self.accrued.zero_()
-            self.since_push = 0
-        else:
-            super()._push()
-
-    def _step(self, rows: np.ndarray) -> float:
-        rows = torch.from_numpy(rows)
-        self.flat.zero_grad()
-        return self._backward(self.loss_fn(self.flat.model(self.x[rows]), self.y[rows]))
-
-    def finish(self) -> dict:
-        """Push what is still accrued and wait until every shard has applied it."""
-        if self.since_push:
-            self._push()
-        self.client.wait()
-        return self.counters()
-
-    def counters(self) -> dict:
-        c = self.client
-        return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
-                "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
-                "retried": c.retried}
 
 
 class DownpourSGD(Trainer):
@@ -190,19 +43,13 @@ class DownpourSGD(Trainer):
     algorithm = "downpour"
     restores_shards = True
 
-    def _replica_actor(self):
-        """The replica actor class: one process per replica, or a model-parallel group."""
+    def _host(self, model: nn.Module, shards: list) -> HostFactory:
+        """How every replica holds its parameters: one flat buffer, or a model-parallel group
+        (subclasses return their own kind of :class:`~distbelief.host.ParamHost`)."""
         if self.cfg.partitions > 1:
-            from distbelief.modelpar.replica import ModelParallelReplica
-
-            return ModelParallelReplica
-        return DownpourReplica
-
-    def _replica_kwargs(self, shards: list) -> dict:
-        """Extra keyword arguments for every replica (subclasses add their own actors)."""
-        if self.cfg.partitions > 1:
-            return {"partition_plan": self._partition_plan}
-        return {"shard_names": [self.actor_name("shard", i) for i in range(self.plan.shards)]}
+            return partial(PartitionedHost, model, self.plan, shards, self._partition_plan)
+        return partial(FlatHost, model, self.plan, shards, grad_dtype=self.cfg.grad_dtype,
+                       names=[self.actor_name("shard", i) for i in range(self.plan.shards)])
 
     def _train(self, log: RunLog, x, y, test) -> TrainResult:
         cfg, plan = self.cfg, self.plan
@@ -213,12 +60,11 @@ class DownpourSGD(Trainer):
         shards = self._start_shards(initial)
         x_ref, y_ref = ray.put(x), ray.put(y)
 
-        extra = self._replica_kwargs(shards)
-        replica_actor = self._replica_actor()
+        host = self._host(blueprint, shards)
 
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
-            return self._named_actor(replica_actor, "replica", i, i, blueprint, self.loss_fn,
-                                     plan, shards, x_ref, y_ref, cfg, step, **extra)
+            return self._named_actor(DownpourReplica, "replica", i, i, host, self.loss_fn,
+                                     x_ref, y_ref, cfg, step)
 
         resumed = self._resumed
         replicas = {i: start(i, resumed.get(i, 0)) for i in range(cfg.replicas)}

@@ -147,6 +147,20 @@ class PSClient:
         self.fetches += 1
         return self.versions
 
+    def fetch_vector_into(self, vector: str, flat: np.ndarray) -> None:
+        """Overwrite ``flat`` with every shard's slice of Sandblaster vector ``vector``."""
+        parts = ray.get([s.fetch_vector.remote(vector) for s in self.shards])
+        bounds = self.plan.bounds
+        for lo, hi, part in zip(bounds, bounds[1:], parts):
+            flat[lo:hi] = part
+
+    def stage(self, tag: str, flat_grad: np.ndarray) -> bool:
+        """Stage each shard's slice of ``flat_grad`` under ``tag`` (Sandblaster); True if
+        every shard accepted its slice."""
+        bounds = self.plan.bounds
+        return all(ray.get([s.stage.remote(tag, flat_grad[lo:hi])
+                            for s, lo, hi in zip(self.shards, bounds, bounds[1:])]))
+
     def local_ranges(self, ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """Split global flat ranges (sorted, disjoint) into each shard's local ranges."""
         out: list[list[tuple[int, int]]] = [[] for _ in self.shards]

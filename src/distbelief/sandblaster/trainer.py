@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import time
+from functools import partial
 
 import numpy as np
 import ray
 
 from distbelief.errors import UserError
 from distbelief.metrics import RunLog
+from distbelief.modelpar.host import PartitionedHost
 from distbelief.ps.client import PSClient
+from distbelief.ps.host import FlatHost
 from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
 from distbelief.sandblaster.lbfgs import LBFGS
 from distbelief.sandblaster.linesearch import LineSearchError
@@ -61,18 +64,14 @@ class SandblasterLBFGS(Trainer):
         shards = self._start_shards(plan.split_flat(evaluator.flat.flat_np))
         x_ref, y_ref = ray.put(x), ray.put(y)
 
-        replica_actor, extra = SandblasterReplica, {}
+        host = partial(FlatHost, blueprint, plan, shards)
         if cfg.partitions > 1:
-            from distbelief.modelpar.replica import ModelParallelSandblasterReplica
-
-            replica_actor = ModelParallelSandblasterReplica
-            extra = {"partition_plan": self._partition_plan}
+            host = partial(PartitionedHost, blueprint, plan, shards, self._partition_plan)
 
         def start(i: int):
-            return replica_actor.options(name=self.actor_name("replica", i),
-                                         scheduling_strategy="SPREAD").remote(
-                i, blueprint, self.loss_fn, plan, shards, x_ref, y_ref,
-                float(cfg.slow_replicas.get(i, 1.0)), **extra)
+            return SandblasterReplica.options(name=self.actor_name("replica", i),
+                                              scheduling_strategy="SPREAD").remote(
+                i, host, self.loss_fn, x_ref, y_ref, float(cfg.slow_replicas.get(i, 1.0)))
 
         space = ShardVectorSpace(shards)
         runner = PortionRunner(space, start, cfg.replicas, len(x), min(cfg.portions, len(x)),

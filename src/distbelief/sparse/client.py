@@ -10,6 +10,7 @@ push already sees it applied.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import ray
@@ -17,6 +18,15 @@ import ray
 from distbelief.sparse.table import TableSpec, dedupe
 
 ROW_ID_BYTES = 8  # an int64 row id travels with every fetched or pushed row
+
+
+class PendingFetch(NamedTuple):
+    """A fetch submitted by :meth:`SparseClient.fetch_begin`, finished by ``fetch_end``."""
+
+    asked: list[int]  # the shards asked, in the order of ``refs``
+    refs: list[ray.ObjectRef]  # each asked shard's ``(version, {table: values})``
+    places: dict[str, list[np.ndarray]]  # per table, per shard: positions of its rows
+    sizes: dict[str, int]  # rows asked per table
 
 
 class SparseClient:
@@ -40,7 +50,7 @@ class SparseClient:
         cuts = np.searchsorted(owner[order], np.arange(len(self.shards) + 1))
         return owner, [order[a:b] for a, b in zip(cuts, cuts[1:])]
 
-    def fetch_begin(self, request: dict[str, np.ndarray]) -> tuple:
+    def fetch_begin(self, request: dict[str, np.ndarray]) -> PendingFetch:
         """Submit the fetch of each table's unique rows ``(n,)``; finish with :meth:`fetch_end`."""
         per_shard: list[dict[str, np.ndarray]] = [{} for _ in self.shards]
         places: dict[str, list[np.ndarray]] = {}
@@ -58,9 +68,9 @@ class SparseClient:
         asked = [s for s, part in enumerate(per_shard) if part]
         refs = [self.shards[s].fetch.remote(per_shard[s]) for s in asked]
         sizes = {name: len(np.asarray(rows)) for name, rows in request.items()}
-        return asked, refs, places, sizes
+        return PendingFetch(asked, refs, places, sizes)
 
-    def fetch_end(self, pending: tuple) -> dict[str, np.ndarray]:
+    def fetch_end(self, pending: PendingFetch) -> dict[str, np.ndarray]:
         """The values ``(n, dim)`` of each table's rows, in the order they were asked."""
         asked, refs, places, sizes = pending
         replies = ray.get(refs)

@@ -2,7 +2,8 @@
 
 :class:`SparseDownpourSGD` is :class:`~distbelief.downpour.DownpourSGD` with three
 additions: it starts S embedding shards next to the S dense shards (rows ``r % S``), its
-replicas are :class:`~distbelief.sparse.replica.SparseReplica` s, and it scores held-out
+replicas are :class:`~distbelief.replica.DownpourReplica` s over a
+:class:`~distbelief.sparse.host.RowSparseHost`, and it scores held-out
 click data by AUC (during training on the first ``EVAL_SUBSET`` test examples, at the end on
 all of them). The driver loop, restarts and the dense path are Downpour's own.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +25,13 @@ from distbelief.checkpoint import load_arrays, shard_file
 from distbelief.config import TrainConfig
 from distbelief.downpour import DownpourSGD
 from distbelief.errors import UserError
+from distbelief.host import HostFactory
 from distbelief.metrics import RunLog
 from distbelief.ps.client import PSClient
 from distbelief.sparse.client import SparseClient
 from distbelief.sparse.ctr import CTRData, auc, ctr_from_npz, synthetic_ctr
+from distbelief.sparse.host import RowSparseHost
 from distbelief.sparse.module import LocalTables, prefetch_rows, sparse_modules, table_specs
-from distbelief.sparse.replica import SparseReplica
 from distbelief.sparse.shard import EmbeddingShard, EmbeddingShardCore
 from distbelief.trainer import MAX_SHARD_RESTARTS, Evaluator, TrainResult, dead_shards
 
@@ -72,11 +75,8 @@ class SparseDownpourSGD(DownpourSGD):
     def _as_arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
         return id_arrays(x, y, what, self.specs)
 
-    def _replica_actor(self):
-        return SparseReplica
-
-    def _replica_kwargs(self, shards: list) -> dict:
-        return {"sparse_shards": self._sparse_shards, "specs": self.specs}
+    def _host(self, model: nn.Module, shards: list) -> HostFactory:
+        return partial(RowSparseHost, model, self.plan, shards, self._sparse_shards, self.specs)
 
     def _check_restored(self) -> None:
         """Downpour's checks, then the embedding rows: the checkpoint must hold this model's

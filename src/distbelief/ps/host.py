@@ -1,0 +1,141 @@
+"""The flat dense parameter host: a whole model as one flat buffer, fetched and pushed whole.
+
+A :class:`FlatHost` keeps a :class:`~distbelief.flat.FlatModel` (parameters and gradients
+in two flat float32 buffers laid out by the :class:`ShardPlan`) and talks to every shard
+through one :class:`PSClient`. It implements :class:`~distbelief.host.ParamHost`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from distbelief.flat import FlatModel
+from distbelief.host import LossOf
+from distbelief.ps.client import INLINE_BYTES, PSClient
+from distbelief.ps.plan import ShardPlan
+
+
+class FlatHost:
+    """``model``'s trainable parameters in one buffer, sliced over ``shards`` by ``plan``.
+
+    ``names`` (the shards' actor names) let the client survive a shard's restart;
+    ``grad_dtype`` is the pushed gradients' wire format; with ``fuse`` a push whose next
+    step fetches, of a gradient small enough to travel inline, also brings the parameters
+    back in the same call per shard.
+    """
+
+    event_fields: dict = {}
+
+    def __init__(self, model: nn.Module, plan: ShardPlan, shards: list, replica: int = -1,
+                 names: Sequence[str] | None = None, grad_dtype: str = "float32",
+                 fuse: bool = True) -> None:
+        self.flat = FlatModel(model, plan)
+        self.client = PSClient(shards, plan, replica=replica, names=names,
+                               grad_dtype=grad_dtype)
+        self.plan, self.fuse, self.replica = plan, fuse, replica
+        self.accrued: torch.Tensor | None = None  # created once a step ends without a push
+        self._fetched_early = False
+        self.pending: dict[int, torch.Tensor] = {}  # Sandblaster portions awaiting a verdict
+        self.batch_sum = torch.zeros(0)  # Sandblaster: the kept portions' gradient sum
+
+    # Downpour
+
+    def fetch(self, upcoming: Callable[[], np.ndarray] | None = None) -> dict:
+        if self._fetched_early:  # the last push brought this step's parameters back
+            self._fetched_early = False
+        else:
+            self.client.fetch_into(self.flat.flat_np)
+        return {}
+
+    def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
+        self.flat.zero_grad()
+        loss = loss_of(self.flat.model(x))
+        loss.backward()
+        self.flat.sync_grads()
+        if self.accrued is not None:
+            self.accrued += self.flat.grad
+        return float(loss)
+
+    def end_step(self, push: bool, local_lr: float | None, fetch_next: bool) -> None:
+        if push:
+            self.push(fetch_next)
+        else:
+            self._accrue()
+        if local_lr is not None:
+            self.apply_local(local_lr)
+
+    def _accrue(self) -> None:
+        """Start summing step gradients at the first step that ends without a push (``n_push``
+        > 1); later steps add theirs in :meth:`forward_backward`."""
+        if self.accrued is None:
+            self.accrued = torch.zeros_like(self.flat.grad)
+            self.accrued += self.flat.grad
+
+    def push(self, fetch_next: bool = False) -> None:
+        """Push the accrued gradient (the step's, if nothing accrued). Fused with the next
+        fetch (see :meth:`PSClient.push_fetch_into`) where ``fetch_next`` and it is small;
+        otherwise it overlaps the next step."""
+        grad = self.accrued if self.accrued is not None else self.flat.grad
+        if self.fuse and fetch_next and grad.numel() * 4 <= INLINE_BYTES:
+            self.client.push_fetch_into(grad.numpy(), self.flat.flat_np)
+            self._fetched_early = True
+        else:
+            self.client.push(grad.numpy())
+        if self.accrued is not None:
+            self.accrued.zero_()
+
+    def apply_local(self, lr: float) -> None:
+        """Plain SGD at ``lr`` with this step's gradient."""
+        with torch.no_grad():
+            self.flat.flat.add_(self.flat.grad, alpha=-lr)
+
+    def versions(self) -> list[int]:
+        return list(self.client.versions)
+
+    def after_run(self, events: list[dict]) -> dict:
+        return self.counters()
+
+    def finish(self, push: bool, fetch_next: bool = False) -> dict:
+        if push:
+            self.push(fetch_next)
+        self.client.wait()
+        return self.counters()
+
+    def counters(self) -> dict:
+        c = self.client
+        return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
+                "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
+                "retried": c.retried}
+
+    def partitions(self) -> list:
+        return []
+
+    # Sandblaster
+
+    def load_vector(self, name: str) -> None:
+        self.client.fetch_vector_into(name, self.flat.flat_np)
+        self.pending = {}
+        self.batch_sum = torch.zeros_like(self.flat.grad)
+
+    def hold(self, portion: int) -> None:
+        self.pending[portion] = self.flat.grad.clone()
+
+    def settle(self, verdicts: list[tuple[int, bool]]) -> None:
+        for portion, keep in verdicts:
+            grad = self.pending.pop(portion, None)
+            if grad is not None and keep:
+                self.batch_sum += grad
+
+    def stage(self, tag: str) -> bool:
+        if not self.client.stage(tag, self.batch_sum.numpy()):
+            return False
+        self.batch_sum.zero_()
+        return True
+
+    def discard(self) -> None:
+        self.pending = {}
+        self.batch_sum.zero_()

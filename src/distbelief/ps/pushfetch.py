@@ -1,0 +1,98 @@
+"""A shard's Downpour protocol: serve fetches and apply pushes, whole or by flat ranges."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distbelief.ps.codec import WIRE_DTYPES, all_finite, decode_into
+from distbelief.ps.optim import SGD
+from distbelief.ps.slice import ShardSlice
+
+PUSH_DTYPES = tuple(WIRE_DTYPES.values())  # float32, float16, bfloat16 bits (uint16)
+
+
+class PushFetch(ShardSlice):
+    """Fetches of the slice (or ranges of it) and pushes applied by the shard's update rule,
+    in the order they arrive."""
+
+    def __init__(self, shard_id: int, init: np.ndarray, rule: SGD) -> None:
+        super().__init__(shard_id, init, rule)
+        self._wide: np.ndarray | None = None  # float32 scratch for 16-bit pushes
+
+    def fetch(self) -> tuple[int, np.ndarray]:
+        """Current version and a read-only view of the slice (callers must copy to keep it)."""
+        self.fetches += 1
+        view = self.params.view()
+        view.flags.writeable = False
+        return self.version, view
+
+    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
+        """Apply ``grad`` unless it is malformed; returns whether it was applied.
+
+        ``grad`` is float32 or a 16-bit wire format of :mod:`distbelief.ps.codec`, widened
+        to float32 here (parameters and rule state stay float32). A rejected push changes
+        nothing but the rejection counter for its reason (``type``, ``dtype``, ``shape``,
+        ``nonfinite``).
+        """
+        reason = self.check_shape(grad, self.params.shape, PUSH_DTYPES)
+        if reason is None and grad.dtype != np.float32:
+            if self._wide is None:
+                self._wide = np.empty_like(self.params)
+            grad = decode_into(grad, self._wide)
+            reason = None if all_finite(grad) else "nonfinite"
+        if reason is not None:
+            self.rejected[reason] += 1
+            return False
+        self.staleness[self.version - int(fetched_version)] += 1
+        self.rule.apply(self.params, grad, self.state)
+        self.version += 1
+        self.pushes_by_replica[int(replica)] += 1
+        return True
+
+    def push_fetch(self, grad: np.ndarray, fetched_version: int, replica: int = -1
+                   ) -> tuple[bool, int, np.ndarray]:
+        """:meth:`push`, then :meth:`fetch`, in one call: whether ``grad`` was applied, and
+        the version and slice after it (one round trip where a replica pushes at the end of
+        a step and fetches at the start of the next)."""
+        applied = self.push(grad, fetched_version, replica)
+        return (applied, *self.fetch())
+
+    def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
+                  replica: int = -1) -> bool:
+        """:meth:`push` of ``grad[lo : lo + size]`` (a 1-D array covering several shards).
+
+        A client puts one gradient in the object store for all shards on a node and each
+        shard reads its own part of it, zero-copy; the part is checked as in :meth:`push`.
+        """
+        if isinstance(grad, np.ndarray) and grad.ndim == 1:
+            grad = grad[lo: lo + self.params.size]
+        return self.push(grad, fetched_version, replica)
+
+    def fetch_ranges(self, ranges: list[tuple[int, int]]) -> tuple[int, np.ndarray]:
+        """Current version and the concatenated values of ``ranges`` (a copy)."""
+        self.fetches += 1
+        index = self._index(ranges)
+        return self.version, self.params[index]
+
+    def push_ranges(self, ranges: list[tuple[int, int]], grad: np.ndarray,
+                    fetched_version: int, replica: int = -1) -> bool:
+        """Apply ``grad`` (the concatenated gradient of ``ranges``) to those elements only.
+
+        The update rule and its state see just the touched elements, so Adagrad or
+        momentum on a subset equals the dense rule restricted to it. Malformed input is
+        rejected and counted, as for :meth:`push`; ranges outside the slice count as
+        ``range``.
+        """
+        index = self._checked_index(ranges, grad)
+        if index is None:
+            return False
+        self.staleness[self.version - int(fetched_version)] += 1
+        param = self.params[index]
+        state = {k: v[index] for k, v in self.state.items()}
+        self.rule.apply(param, grad, state)
+        self.params[index] = param
+        for k, v in state.items():
+            self.state[k][index] = v
+        self.version += 1
+        self.pushes_by_replica[int(replica)] += 1
+        return True

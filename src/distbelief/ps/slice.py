@@ -1,0 +1,131 @@
+"""The state of one parameter-server shard: its slice, rule state, version and counters.
+
+:class:`ShardSlice` owns what every protocol a shard speaks shares: the float32 slice, the
+update rule's state, the version (applied pushes), the counters :meth:`~ShardSlice.stats`
+shows, input checks, and saving and restoring all of it. The protocols are subclasses:
+:class:`~distbelief.ps.pushfetch.PushFetch` (Downpour) and
+:class:`~distbelief.ps.vectors.VectorStore` (Sandblaster); :class:`~distbelief.ps.shard.
+ShardCore` composes them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+
+from distbelief.checkpoint import save_arrays
+from distbelief.ps.codec import all_finite
+from distbelief.ps.optim import SGD
+
+ACCEPTED_DTYPES = (np.float32,)
+
+
+class ShardSlice:
+    """State of one shard: parameters (float32, shape ``(n,)``), rule state, version, stats.
+
+    ``version`` counts applied pushes. Staleness of a push is the shard's version when it
+    is applied minus the version the pushing replica last fetched.
+    """
+
+    def __init__(self, shard_id: int, init: np.ndarray, rule: SGD) -> None:
+        self.shard_id = shard_id
+        self.params = np.array(init, dtype=np.float32, copy=True).reshape(-1)
+        self.rule = rule
+        self.state = rule.init_state(self.params.size)
+        self.version = 0
+        self.fetches = 0
+        self.rejected: Counter[str] = Counter()
+        self.staleness: Counter[int] = Counter()
+        self.pushes_by_replica: Counter[int] = Counter()
+
+    def check(self, grad: object) -> str | None:
+        """Why ``grad`` may not be applied to the whole slice, or None if it may."""
+        return self.check_shape(grad, self.params.shape)
+
+    def check_shape(self, grad: object, shape: tuple[int, ...],
+                    dtypes: tuple = ACCEPTED_DTYPES) -> str | None:
+        """Why ``grad`` is not a finite array of ``shape`` and one of ``dtypes``, or None.
+
+        Finiteness is checked here for float dtypes; bfloat16 bits after widening.
+        """
+        if not isinstance(grad, np.ndarray):
+            return "type"
+        if grad.dtype not in dtypes:
+            return "dtype"
+        if grad.shape != tuple(shape):
+            return "shape"
+        if grad.dtype.kind == "f" and not all_finite(grad):
+            return "nonfinite"
+        return None
+
+    # Ranged access: a model partition or an embedding lookup touches only some elements.
+    # ``ranges`` are half-open (start, stop) pairs in this shard's coordinates.
+
+    def _checked_index(self, ranges: list[tuple[int, int]], values: object) -> np.ndarray | None:
+        """The element index of ``ranges`` if they lie in the slice and ``values`` is a finite
+        float array of matching length; else None, with the reason counted as a rejection."""
+        try:
+            index = self._index(ranges)
+        except ValueError:
+            self.rejected["range"] += 1
+            return None
+        reason = self.check_shape(values, (index.size,))
+        if reason is not None:
+            self.rejected[reason] += 1
+            return None
+        return index
+
+    def _index(self, ranges: list[tuple[int, int]]) -> np.ndarray:
+        n = self.params.size
+        if any(not (0 <= lo <= hi <= n) for lo, hi in ranges):
+            raise ValueError(f"a range falls outside 0..{n}")
+        if not ranges:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
+
+    def save(self, path: str, vectors: tuple[str, ...] = ()) -> int:
+        """Write parameters, rule state, counters and version to ``path`` atomically; the
+        version. ``vectors`` names Sandblaster vectors to include too (as ``vec:NAME``)."""
+        counters = {"fetches": self.fetches, "rejected": dict(self.rejected),
+                    "pushes_by_replica": {str(k): v for k, v in self.pushes_by_replica.items()},
+                    "staleness": {str(k): v for k, v in self.staleness.items()}}
+        save_arrays(path, self._saved_arrays(vectors),
+                    {"version": str(self.version), "shard": str(self.shard_id),
+                     "counters": json.dumps(counters)})
+        return self.version
+
+    def _saved_arrays(self, vectors: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """What :meth:`save` writes: the slice and rule state (a protocol may add arrays)."""
+        return {"params": self.params, **self.state}
+
+    def restore(self, arrays: dict[str, np.ndarray], version: int,
+                counters: dict | None = None) -> None:
+        """Load what :meth:`save` wrote (already validated by the caller): the slice, rule
+        state, version and, if given, the counters :meth:`stats` shows."""
+        np.copyto(self.params, arrays["params"])
+        for name in self.state:
+            np.copyto(self.state[name], arrays[name])
+        self.version = int(version)
+        if counters:
+            self.fetches = int(counters.get("fetches", 0))
+            self.rejected = Counter(counters.get("rejected", {}))
+            self.pushes_by_replica = Counter({int(k): v for k, v in
+                                              counters.get("pushes_by_replica", {}).items()})
+            self.staleness = Counter({int(k): v for k, v in
+                                      counters.get("staleness", {}).items()})
+
+    def stats(self) -> dict:
+        """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
+        return {
+            "shard": self.shard_id,
+            "size": int(self.params.size),
+            "version": self.version,
+            "updates": self.version,
+            "fetches": self.fetches,
+            "rejected": dict(self.rejected),
+            "rejected_total": sum(self.rejected.values()),
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "pushes_by_replica": {str(k): v for k, v in sorted(self.pushes_by_replica.items())},
+        }
