@@ -1,13 +1,18 @@
 """The command line: bad input gives one line, exit code 2, and starts nothing."""
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 
-from distbelief.cli import main
+from distbelief.cli import build_parser, config_values, main
+from distbelief.config import FIELDS, SECTIONS, TrainConfig, field_type, flag
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BAD = [
     (["--replicas", "0"], "--replicas must be an integer >= 1"),
@@ -127,9 +132,105 @@ def test_train_on_a_users_npz(tmp_path, capsys):
     assert float(out.strip().splitlines()[-1].split()[1].split("=")[1]) > 0.9
 
 
-def test_bench_runs_a_bench_script_and_refuses_unknown_names(capsys):
+def test_benchmarks_run_as_scripts_of_the_checkout_and_bench_is_refused(capsys):
     assert run_cli(["bench", "no-such-bench"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no benchmark 'no-such-bench'" in err[0] and "ps" in err[0]
-    assert run_cli(["bench", "ps", "--help"]) == 0
-    assert "Push+apply and fetch throughput" in capsys.readouterr().out
+    assert len(err) == 1 and "python bench/NAME.py" in err[0] and "ps" in err[0]
+    assert run_cli(["bench", "ps", "--help"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    proc = subprocess.run([sys.executable, "bench/ps.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Push+apply and fetch throughput" in proc.stdout
+
+
+def train_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+def sample(name: str) -> tuple[list[str], object]:
+    """Command-line words that set field ``name`` to a non-default value, and that value."""
+    f, kind = FIELDS[name], field_type(name)
+    if kind is bool:
+        return [flag(name)], not f.default
+    if kind is dict:
+        return [flag(name), "1:3", flag(name), "0:2.5"], {1: 3.0, 0: 2.5}
+    value = {int: 7, float: 0.25, str: "x"}[kind]
+    if "choices" in f.metadata:
+        value = f.metadata["choices"][-1]
+    return [flag(name), str(value)], value
+
+
+def test_generated_parser_reaches_every_field_with_the_dataclass_defaults():
+    parser = build_parser()
+    assert TrainConfig(**config_values(parser.parse_args(["train"]))) == TrainConfig()
+    for name in FIELDS:
+        words, value = sample(name)
+        assert config_values(parser.parse_args(["train", *words])) == {name: value}, name
+    args = parser.parse_args(["train", *(w for name in FIELDS for w in sample(name)[0])])
+    assert config_values(args) == {name: sample(name)[1] for name in FIELDS}
+
+
+def test_help_groups_flags_by_section_with_each_fields_help(capsys):
+    actions = {a.dest: a for a in train_parser()._actions}
+    for name, f in FIELDS.items():
+        assert actions[name].help.startswith(f.metadata["help"].replace("%", "%%")), name
+        assert flag(name) in actions[name].option_strings
+    groups = {g.title: {a.dest for a in g._group_actions} for g in train_parser()._action_groups}
+    for section in SECTIONS:
+        assert {n for n, f in FIELDS.items() if f.metadata["section"] == section} <= groups[
+            section]
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config FILE.toml" in out and "--eval-every SECONDS" in out
+    assert "mini-batches per replica (default 300; ctr 450)" in out
+
+
+def test_config_file_sets_sections_and_flags_override_it(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[downpour]\nn_fetch = 2\nlr = 0.1\n[parallelism]\nreplicas = 3\n'
+                    'slow_replicas = { 0 = 4.0 }\n[run]\nseed = 5\n')
+    args = build_parser().parse_args(["train", "--config", str(path), "--lr", "0.2",
+                                      "--slow-replica", "1:2", "--seed", "0"])
+    cfg = TrainConfig(**config_values(args))
+    assert (cfg.n_fetch, cfg.lr, cfg.replicas, cfg.slow_replicas, cfg.seed) == (
+        2, 0.2, 3, {1: 2.0}, 0)
+    assert cfg.steps is None and cfg.validate().steps == 300
+
+
+def test_a_run_config_toml_is_reusable_with_config(tmp_path):
+    cfg = TrainConfig(replicas=3, n_fetch=2, slow_replicas={2: 1.5}).validate(command_line=True)
+    path = tmp_path / "config.toml"
+    path.write_text(cfg.to_toml())
+    args = build_parser().parse_args(["train", "--config", str(path)])
+    assert TrainConfig(**config_values(args)).validate(command_line=True) == cfg
+
+
+BAD_CONFIG = [
+    (None, "--config {path}: no such file: check the path"),
+    ("[downpour\n", "--config {path} is not valid TOML ("),
+    ("[optimizers]\nlr = 1.0\n", "unknown section [optimizers]: use [data]"),
+    ("[downpour]\nn_fetches = 2\n", "[downpour] has no option 'n_fetches'"),
+    ("[model]\nreplicas = 2\n", "replicas belongs in [parallelism], not [model]"),
+    ("[parallelism]\nreplicas = \"two\"\n", "replicas = \"two\" must be an integer"),
+    ("[parallelism]\nreplicas = 0\n", "--replicas must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_CONFIG, ids=[m for _, m in BAD_CONFIG])
+def test_bad_config_file_is_one_line_exit_2_and_starts_nothing(text, message, tmp_path,
+                                                                capsys):
+    path = tmp_path / "bad.toml"
+    if text is not None:
+        path.write_text(text)
+    run_dir = tmp_path / "run"
+    code = run_cli(["train", "--config", str(path), "--run-dir", str(run_dir), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("distbelief: error: ") and message.format(path=path) in lines[0]
+    assert not ray.is_initialized() and not run_dir.exists()
