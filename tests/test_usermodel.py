@@ -156,3 +156,12 @@ def test_a_model_from_a_file_reaches_a_process_that_cannot_import_the_file(tmp_p
                          timeout=120)
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout.decode().split() == ["Doubler", "10"]
+
+
+def test_parameters_are_counted_without_allocating_them():
+    from distbelief import models
+    from distbelief.usermodel import count_parameters
+
+    huge = count_parameters(lambda: models.mlp(100_000, 1_000_000, 10))  # 400 GB in float32
+    assert huge == 100_000 * 1_000_000 + 1_000_000 + 1_000_000 * 10 + 10
+    assert count_parameters(lambda: models.cnn(784, 10)) == 454_922

@@ -128,6 +128,17 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return factory
 
 
+def count_parameters(build: Callable[[], nn.Module]) -> int:
+    """Parameters of the model ``build()`` returns, built on torch's ``meta`` device (shapes
+    only, no memory), so ``limits.check_model`` can refuse a huge model before it exists.
+    Raises what ``build`` raises."""
+    import torch
+
+    with torch.device("meta"):
+        model = build()
+    return sum(p.numel() for p in model.parameters())
+
+
 def ship_by_value(factory: Callable[..., Any]) -> None:
     """Make Ray pickle the module of a user's ``factory`` by value, so that a model built from
     it (its classes and functions) reaches replicas that cannot import that module: a ``.py``
