@@ -105,7 +105,7 @@ def fit_killing_shard(trainer, ds, shard, after_checkpoints=0, after_version=50)
             victim = ray.get_actor(name)
         except ValueError:
             time.sleep(0.05)
-    while trainer._checkpoints < after_checkpoints and thread.is_alive():
+    while trainer.checkpoints < after_checkpoints and thread.is_alive():
         time.sleep(0.02)
     while ray.get(victim.stats.remote())["version"] < after_version and thread.is_alive():
         time.sleep(0.02)

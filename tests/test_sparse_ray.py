@@ -231,7 +231,7 @@ def test_killed_row_shard_is_restored_from_its_checkpoint_and_auc_holds(ray_loca
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(r=fit(trainer, clicks)))
     thread.start()
-    while trainer._checkpoints < 1 and thread.is_alive():
+    while trainer.checkpoints < 1 and thread.is_alive():
         time.sleep(0.02)
     victim = ray.get_actor(trainer.actor_name("rowshard", 1))
     time.sleep(0.2)  # it applies more pushes after that checkpoint, then dies

@@ -112,11 +112,7 @@ def load_checkpoint(run_dir: str | os.PathLike, number: int, plan, state_names: 
     """
     folder = Path(run_dir) / "checkpoints"
     path = folder / MANIFEST.format(number)
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"checkpoint manifest {path} is corrupt ({err}): delete it to fall "
-                        "back to the previous checkpoint") from None
+    manifest = read_manifest(run_dir, number)
     tensors = [[t.name, list(t.shape)] for t in plan.tensors]
     if manifest.get("tensors") != tensors or manifest.get("bounds") != list(plan.bounds):
         raise UserError(f"checkpoint {path} is of a different model or --shards: resume with "
@@ -140,6 +136,33 @@ def load_checkpoint(run_dir: str | os.PathLike, number: int, plan, state_names: 
         entry["counters"] = _counters(folder / entry["file"])
         parts.append(arrays)
     return manifest, parts
+
+
+def read_manifest(run_dir: str | os.PathLike, number: int) -> dict:
+    """Checkpoint ``number``'s manifest as written (not validated against a model)."""
+    path = Path(run_dir) / "checkpoints" / MANIFEST.format(number)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"checkpoint manifest {path} is corrupt ({err}): delete it to fall "
+                        "back to the previous checkpoint") from None
+
+
+def load_shard(run_dir: str | os.PathLike, number: int, shard: int, plan,
+               state_names: Sequence[str]) -> dict:
+    """Dense shard ``shard``'s part of checkpoint ``number``, as a shard restores it:
+    ``{"arrays", "version", "counters"}``."""
+    manifest, parts = load_checkpoint(run_dir, number, plan, state_names, shards=[shard])
+    entry = manifest["shards"][shard]
+    return {"arrays": parts[shard], "version": entry["version"], "counters": entry["counters"]}
+
+
+def load_row_shard(run_dir: str | os.PathLike, number: int, shard: int) -> dict:
+    """Row shard ``shard``'s part of checkpoint ``number`` (its embedding rows), as an
+    embedding shard restores it: ``{"arrays", "version"}``."""
+    entry = read_manifest(run_dir, number)["row_shards"][shard]
+    return {"arrays": load_arrays(Path(run_dir) / "checkpoints" / entry["file"]),
+            "version": int(entry["version"])}
 
 
 def _counters(path: Path) -> dict | None:

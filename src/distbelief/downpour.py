@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import Counter
-from functools import partial
 
 import ray
 from torch import nn
 
+from distbelief.config import TrainConfig
 from distbelief.errors import UserError
-from distbelief.host import HostFactory
-from distbelief.metrics import RunLog
-from distbelief.modelpar.host import PartitionedHost
-from distbelief.ps.client import PSClient
-from distbelief.ps.host import FlatHost
+from distbelief.job import Cadence, Checkpointer
+from distbelief.ps.group import ShardSet
 from distbelief.replica import DownpourReplica
+from distbelief.segments import Replicas, SegmentSchedule, Start
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
 SEGMENT_STEPS = 10  # steps a replica runs per driver call; small keeps the driver responsive
@@ -43,38 +40,23 @@ class DownpourSGD(Trainer):
     algorithm = "downpour"
     restores_shards = True
 
-    def _host(self, model: nn.Module, shards: list) -> HostFactory:
-        """How every replica holds its parameters: one flat buffer, or a model-parallel group
-        (subclasses return their own kind of :class:`~distbelief.host.ParamHost`)."""
-        if self.cfg.partitions > 1:
-            return partial(PartitionedHost, model, self.plan, shards, self._partition_plan)
-        return partial(FlatHost, model, self.plan, shards, grad_dtype=self.cfg.grad_dtype,
-                       names=[self.actor_name("shard", i) for i in range(self.plan.shards)])
+    def __init__(self, model: nn.Module, loss_fn: nn.Module | None = None,
+                 config: TrainConfig | None = None, **overrides) -> None:
+        super().__init__(model, loss_fn, config, **overrides)
+        self.resumed_steps: dict[int, int] = {}  # steps each replica had done at the resume
 
-    def _train(self, log: RunLog, x, y, test) -> TrainResult:
-        cfg, plan = self.cfg, self.plan
-        began = time.time()
-        blueprint = copy.deepcopy(self.model)  # replicas get pristine copies of this
-        evaluator = Evaluator(self.model, self.loss_fn, plan, test)
-        initial = plan.split_flat(evaluator.flat.flat_np)
-        shards = self._start_shards(initial)
-        x_ref, y_ref = ray.put(x), ray.put(y)
-
-        host = self._host(blueprint, shards)
+    def replica_starter(self, shards: ShardSet, blueprint: nn.Module, x_ref: ray.ObjectRef,
+                        y_ref: ray.ObjectRef) -> Start:
+        """Where a Downpour run builds its replicas: ``start(i, step)`` starts replica i's
+        actor at ``step`` over a parameter host (:meth:`Trainer._host`) holding a pristine
+        copy of ``blueprint`` and the shards' current handles."""
+        cfg = self.cfg
 
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
-            return self._named_actor(DownpourReplica, "replica", i, i, host, self.loss_fn,
-                                     x_ref, y_ref, cfg, step)
+            return self.job.actor(DownpourReplica, "replica", i, i, self._host(blueprint, shards),
+                                  self.loss_fn, x_ref, y_ref, cfg, step)
 
-        resumed = self._resumed
-        replicas = {i: start(i, resumed.get(i, 0)) for i in range(cfg.replicas)}
-        try:
-            return self._drive(log, began, shards, replicas, start, evaluator, resumed)
-        finally:
-            for actor in [*replicas.values(), *shards]:
-                ray.kill(actor)
-
-    _resumed: dict[int, int] = {}  # steps each replica had done at the resumed checkpoint
+        return start
 
     def _check_restored(self) -> None:
         manifest = self.restored[0]
@@ -83,64 +65,61 @@ class DownpourSGD(Trainer):
             raise UserError(f"the checkpoint in {self.cfg.resume} is of a "
                             f"{manifest.get('algorithm')} run with {len(steps)} replicas: "
                             "resume with the same --algorithm and --replicas")
-        self._checkpoints = int(manifest["checkpoint"])
-        self._resumed = steps
+        self.resumed_steps = steps
 
-    def _check_rejections(self, shards: list) -> None:
-        """Abort (leaving the last checkpoint as it is) once too many pushes were rejected."""
-        stats = ray.get([s.stats.remote() for s in shards])
-        rejected = sum(s["rejected_total"] for s in stats)
-        if rejected > self.cfg.max_rejected:
-            reasons = sum((Counter(s["rejected"]) for s in stats), Counter())
-            raise UserError(f"the shards rejected {rejected} pushes ({dict(reasons)}), more than "
-                            f"--max-rejected {self.cfg.max_rejected}: the model produces NaN/inf "
-                            "or misshaped gradients; lower --lr or fix the model (the last "
-                            "checkpoint is untouched)")
+    def _train(self, x, y, test) -> TrainResult:
+        blueprint = copy.deepcopy(self.model)  # replicas get pristine copies of this
+        evaluator = self._evaluator(test)
+        shards = self._start_shards(self.plan.split_flat(evaluator.flat.flat_np))
+        start = self.replica_starter(shards, blueprint, ray.put(x), ray.put(y))
+        steps = {i: self.resumed_steps.get(i, 0) for i in range(self.cfg.replicas)}
+        replicas = Replicas(self.job, start, steps, MAX_RESTARTS)
+        try:
+            return self._drive(shards, replicas, evaluator)
+        finally:
+            replicas.kill()
+            shards.kill()
 
-    def _drive(self, log: RunLog, began: float, shards: list, replicas: dict, start,
-               evaluator: Evaluator, resumed: dict[int, int]) -> TrainResult:
-        """The driver loop: resubmit each replica's next segment the moment it returns."""
-        cfg, plan = self.cfg, self.plan
-        client = PSClient(shards, plan)
-
-        def shard_stats() -> list[dict]:
-            return self._on_shards(log, shards, lambda: ray.get([s.stats.remote()
-                                                                 for s in shards]))
-
-        first = shard_stats()
-        log.log("placement", shards=[s["node"] for s in first],
-                replicas=ray.get([r.where.remote() for r in replicas.values()]))
-        self._progress = self._progress_bar(cfg.replicas * cfg.steps)
-        done = {i: resumed.get(i, 0) for i in replicas}
-        restarts = {i: 0 for i in replicas}
+    def _drive(self, shards: ShardSet, replicas: Replicas, evaluator: Evaluator
+               ) -> TrainResult:
+        """The driver loop: resubmit each replica's next segment the moment it returns;
+        evaluate, check rejections and checkpoint on their cadences."""
+        cfg, job = self.cfg, self.job
+        first = shards.retry(shards.stats)
+        job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where())
+        job.progress(cfg.replicas * cfg.steps)
+        schedule = SegmentSchedule(cfg.steps, cfg.warmstart_steps, SEGMENT_STEPS,
+                                   {i: self.resumed_steps.get(i, 0) for i in replicas.actors})
         counters: dict[int, dict] = {}
-        warm = done[0] < cfg.warmstart_steps
         pending: dict[ray.ObjectRef, int] = {}
 
         def submit(i: int) -> None:
-            limit = cfg.warmstart_steps if warm else cfg.steps
-            if done[i] < limit:
-                pending[replicas[i].run.remote(min(SEGMENT_STEPS, limit - done[i]))] = i
+            n = schedule.segment(i)
+            if n:
+                pending[replicas.actors[i].run.remote(n)] = i
+
+        def evaluate() -> dict:  # also notices a dead shard and restarts it
+            return shards.retry(lambda: evaluator.evaluate(job, shards))
+
+        for i in schedule.first(replicas.actors):
+            submit(i)
+        evaluation = Cadence(cfg.eval_every_s, due_now=True)
+        checkpoints = Checkpointer(job, shards, self.plan, self._state_names(),
+                                   cfg.checkpoint_every_s or float("inf"))
 
         def checkpoint() -> None:
-            self._checkpoint(log, shards, {"algorithm": "downpour",
-                                           "replica_steps": {str(k): v for k, v in done.items()}})
+            checkpoints.write({"algorithm": "downpour",
+                               "replica_steps": schedule.replica_steps()})
 
-        for i in [0] if warm else list(replicas):
-            submit(i)
-        next_eval = time.time()
-        next_checkpoint = time.time() + (cfg.checkpoint_every_s or float("inf"))
         try:
             while pending:
-                if time.time() >= next_checkpoint:
+                if checkpoints.due():
                     checkpoint()
-                    next_checkpoint = time.time() + cfg.checkpoint_every_s
-                if time.time() >= next_eval:  # also notices a dead shard and restarts it
-                    self._on_shards(log, shards, lambda: self._evaluate(log, client, evaluator,
-                                                                        began), (client,))
-                    self._on_shards(log, shards, lambda: self._check_rejections(shards))
-                    next_eval = time.time() + cfg.eval_every_s
-                wake = min(next_eval, next_checkpoint)
+                if evaluation.due():
+                    evaluate()
+                    shards.retry(lambda: shards.check_rejections(cfg.max_rejected))
+                    evaluation.restart()
+                wake = min(evaluation.at, checkpoints.cadence.at)
                 ready, _ = ray.wait(list(pending), num_returns=1,
                                     timeout=max(0.0, wake - time.time()))
                 for ref in ready:
@@ -148,51 +127,35 @@ class DownpourSGD(Trainer):
                     try:
                         reply = ray.get(ref)
                     except ray.exceptions.RayActorError as err:
-                        restarts[i] += 1
-                        log.log("replica_failed", replica=i, step=done[i], restarts=restarts[i],
-                                error=type(err).__name__)
-                        ray.kill(replicas[i])  # a task error (a dead partition) leaves it up
-                        if self.restores_shards:  # it may have died of a dead shard
-                            self._revive_shards(log, shards)
-                        if restarts[i] > MAX_RESTARTS:
-                            replicas.pop(i)
-                        else:
-                            replicas[i] = start(i, done[i])
+                        if replicas.failed(i, schedule.done[i], err, shards):
                             submit(i)
                         continue
                     for e in reply["events"]:
-                        log.log("step", **e)
+                        job.log("step", **e)
                     counters[i] = {k: v for k, v in reply.items() if k not in ("events", "step")}
-                    done[i] = reply["step"]
-                    self._tick(len(reply["events"]), reply["events"][-1]["loss"])
-                    if warm and done[0] >= cfg.warmstart_steps:
-                        warm = False
-                        log.log("warmstart_done", step=done[0])
-                        for j in replicas:
-                            if done[j] < cfg.steps:
-                                submit(j)
-                    elif done[i] < (cfg.warmstart_steps if warm else cfg.steps):
-                        submit(i)
+                    nxt, warm_ended = schedule.returned(i, reply["step"], replicas.actors)
+                    job.tick(len(reply["events"]), reply["events"][-1]["loss"])
+                    if warm_ended:
+                        job.log("warmstart_done", step=schedule.done[0])
+                    for j in nxt:
+                        submit(j)
         except KeyboardInterrupt:
-            for r in replicas.values():
-                ray.kill(r)  # stop pushing, so the checkpoint is what the shards hold now
+            replicas.kill()  # stop pushing, so the checkpoint is what the shards hold now
             checkpoint()
-            log.log("interrupted", replica_steps=dict(done))
+            job.log("interrupted", replica_steps=dict(schedule.done))
             raise
-        if not replicas:
+        if not replicas.actors:
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
-        for i, c in zip(replicas, ray.get([r.finish.remote() for r in replicas.values()])):
-            counters[i] = c
+        counters.update(replicas.finish())
         checkpoint()
-        final = self._on_shards(log, shards, lambda: self._evaluate(log, client, evaluator,
-                                                                    began), (client,))
-        stats = shard_stats()
+        final = evaluate()
+        stats = shards.retry(shards.stats)
         if all("dropped_by_shard" in c for c in counters.values()):
-            log.log("push_accounting", exact=not any(restarts.values()),
+            job.log("push_accounting", exact=not replicas.restarted(),
                     shards=push_accounting(first, stats, list(counters.values())))
         updates = sum(c["pushes"] for c in counters.values())
-        return self._finish(log, evaluator, final, updates, began, stats, counters)
+        return self._result(evaluator, shards, final, updates, stats, counters)
 
 
 def push_accounting(first: list[dict], last: list[dict], counters: list[dict]) -> list[dict]:

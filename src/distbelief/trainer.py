@@ -1,8 +1,9 @@
-"""What every trainer shares: config, shard start-up, the run folder, evaluation, results.
+"""What every trainer shares: config, shard start-up, the run, evaluation, results.
 
 :class:`Trainer` validates its config and builds the shard plan in ``__init__`` (before any
-actor starts), then :meth:`Trainer.fit` connects to Ray, opens the run folder and calls the
-subclass's ``_train``.
+actor starts), then :meth:`Trainer.fit` connects to Ray, opens the run (a
+:class:`~distbelief.job.Job`) and calls the subclass's ``_train``, which starts the shards
+(a :class:`~distbelief.ps.group.ShardGroup`) and drives the replicas.
 """
 
 from __future__ import annotations
@@ -10,62 +11,32 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 import numpy as np
-import ray
 import torch
 from torch import nn
 
 from distbelief import cluster
-from distbelief.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    save_arrays,
-    shard_file,
-    write_manifest,
-)
+from distbelief.checkpoint import latest_checkpoint, load_shard
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
 from distbelief.flat import FlatModel, parameter_shapes
-from distbelief.metrics import RunLog, plot_run
+from distbelief.host import HostFactory
+from distbelief.job import Job, TrainResult, actor_name
+from distbelief.modelpar.host import PartitionedHost
 from distbelief.ps.client import PSClient
+from distbelief.ps.group import ShardGroup, ShardSet
+from distbelief.ps.host import FlatHost
 from distbelief.ps.optim import make_rule
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 
-MAX_SHARD_RESTARTS = 3  # per shard, before the run fails
-
-@dataclass
-class TrainResult:
-    """What a run produced: final parameters by name and the run's figures."""
-
-    params: dict[str, np.ndarray]
-    test_accuracy: float | None
-    test_loss: float | None
-    updates: int
-    wall_s: float
-    shard_stats: list[dict]
-    replica_counters: dict[int, dict]
-    events: list[dict] = field(repr=False)
-    run_dir: str | None = None
-
-
-def dead_shards(shards: list) -> list[int]:
-    """Indices of the shard actors in ``shards`` that died (a busy one counts as alive)."""
-    dead = []
-    for i, shard in enumerate(shards):
-        try:
-            ray.get(shard.stats.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            dead.append(i)
-        except ray.exceptions.GetTimeoutError:
-            pass  # alive, only busy
-    return dead
+__all__ = ["Evaluator", "Trainer", "TrainResult", "as_arrays", "store_bytes"]
 
 
 class Trainer:
@@ -92,15 +63,19 @@ class Trainer:
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.plan = ShardPlan.build(parameter_shapes(model), self.cfg.shards)
         self.run_id = uuid.uuid4().hex[:8]
-        self._progress = None
-        self._show_progress = False
-        self._accuracy: float | None = None
-        self.restored = None
-        self._checkpoints = 0
+        self.restored: tuple[dict, list] | None = None  # the resumed checkpoint
+        self._partition_plan = None  # the model-parallel plan (partitions > 1)
+        self.job: Job | None = None  # the run of the current (or last) fit
 
     def actor_name(self, role: str, index: int) -> str:
         """The Ray actor name of a shard or replica of this run (for tools and fault tests)."""
-        return f"distbelief-{self.run_id}-{role}-{index}"
+        return actor_name(self.run_id, role, index)
+
+    @property
+    def checkpoints(self) -> int:
+        """The number of the newest checkpoint of the current (or last) fit: the one it
+        resumed from or the last it wrote; 0 for none (for tools and fault tests)."""
+        return 0 if self.job is None else self.job.checkpoints
 
     def fit(self, x_train, y_train, x_test=None, y_test=None, progress: bool = False
             ) -> TrainResult:
@@ -111,7 +86,6 @@ class Trainer:
         cfg = self.cfg
         x_train, y_train = self._as_arrays(x_train, y_train, "training")
         test = self._as_arrays(x_test, y_test, "test") if x_test is not None else None
-        self._show_progress = progress
         if cfg.partitions > 1:  # plan before any actor starts, so bad splits fail here
             from distbelief.modelpar.plan import plan_partitions
 
@@ -123,18 +97,16 @@ class Trainer:
             self._check_restored()
         with cluster.session(cfg.address, num_cpus=cfg.num_cpus,
                              object_store_memory=store_bytes(x_train, self.plan)):
-            log = RunLog(cfg.run_dir)
-            log.write_json("config.json", cfg.to_dict())
+            resumed = int(self.restored[0]["checkpoint"]) if self.restored else 0
+            self.job = Job(self.run_id, self.algorithm, cfg.run_dir, progress, resumed)
+            self.job.write_json("config.json", cfg.to_dict())
             try:
                 with _sigterm_as_interrupt():
-                    return self._train(log, x_train, y_train, test)
+                    return self._train(x_train, y_train, test)
             finally:
-                log.close()
-                if self._progress is not None:
-                    self._progress.close()
-                    self._progress = None
+                self.job.close()
 
-    def _train(self, log: RunLog, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
+    def _train(self, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
         raise NotImplementedError
 
     def _as_arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -147,136 +119,53 @@ class Trainer:
     def _state_names(self) -> tuple[str, ...]:
         return make_rule(self.cfg.optimizer, self.cfg.lr, self.cfg.momentum).state_names
 
-    def _start_shards(self, initial: list[np.ndarray]) -> list[ray.actor.ActorHandle]:
+    def _resumed_from(self) -> tuple[Path, int] | None:
+        """The checkpoint this fit resumed from (its run folder and number), if any."""
+        if self.restored is None:
+            return None
+        return Path(self.cfg.resume), int(self.restored[0]["checkpoint"])
+
+    def _start_shards(self, initial: list[np.ndarray]) -> ShardSet:
         """One shard actor per planned slice, from ``initial`` or from the resumed checkpoint."""
-        restored = [None] * self.plan.shards
+        cfg, plan, job = self.cfg, self.plan, self.job
+        restored = None
         if self.restored is not None:
             manifest, parts = self.restored
             restored = [{"arrays": a, "version": e["version"], "counters": e.get("counters")}
                         for a, e in zip(parts, manifest["shards"])]
-        self._initial = initial
-        self._shard_restarts = [0] * self.plan.shards
-        self._restart_from = restored, self._checkpoints or None  # until a checkpoint is written
-        return [self._new_shard(i, restored[i]) for i in range(self.plan.shards)]
 
-    def _named_actor(self, actor_class, role: str, i: int, *args, **kwargs):
-        """``actor_class(*args, **kwargs)`` as the actor named ``actor_name(role, i)``, spread
-        over the nodes; retried while a dead predecessor's name is still being freed (Ray
-        frees it asynchronously)."""
-        for _ in range(200):
-            try:
-                return actor_class.options(name=self.actor_name(role, i),
-                                           scheduling_strategy="SPREAD").remote(*args, **kwargs)
-            except ray.exceptions.ActorAlreadyExistsError:
-                time.sleep(0.05)
-        raise RuntimeError(f"{role} {i}'s actor name is still taken after it died")
+        def spawn(i: int, restore_point: dict | None):
+            return job.actor(ParameterShard, "shard", i, i, initial[i], cfg.optimizer,
+                             cfg.lr, cfg.momentum, restore_point)
 
-    def _new_shard(self, i: int, restored: dict | None) -> ray.actor.ActorHandle:
-        cfg = self.cfg
-        return self._named_actor(ParameterShard, "shard", i, i, self._initial[i],
-                                 cfg.optimizer, cfg.lr, cfg.momentum, restored)
+        def read(run_dir: Path, number: int, i: int) -> dict:
+            return load_shard(run_dir, number, i, plan, self._state_names())
 
-    def _on_shards(self, log: RunLog, shards: list, call, clients: tuple = ()):
-        """``call()``, which talks to ``shards``; if a shard died, restart it and call again.
+        group = ShardGroup(job, "shard", plan.shards, spawn, read, self.restores_shards)
+        return group.start(restored, self._resumed_from())
 
-        Only where :attr:`restores_shards` is set; ``clients`` are the driver's
-        :class:`PSClient` s, pointed at the restarted shards.
-        """
-        while True:
-            for client in clients:  # a shard may have been restarted by an earlier call
-                client.shards[:] = shards
-            try:
-                return call()
-            except ray.exceptions.RayActorError:
-                if not (self.restores_shards and self._revive_shards(log, shards)):
-                    raise
+    def _host(self, model: nn.Module, shards: ShardSet) -> HostFactory:
+        """The one place a run chooses how its replicas hold parameters (a
+        :class:`~distbelief.host.ParamHost`): one flat buffer, or a model-parallel group of
+        partition actors; a subclass with other parameters (row-sparse tables) returns its
+        own. Built at each replica start, so a restarted replica sees revived shards."""
+        if self.cfg.partitions > 1:
+            return partial(PartitionedHost, model, self.plan, shards.handles(),
+                           self._partition_plan)
+        return partial(FlatHost, model, self.plan, shards.handles(),
+                       grad_dtype=self.cfg.grad_dtype,
+                       names=[self.actor_name("shard", i) for i in range(self.plan.shards)])
 
-    def _revive_shards(self, log: RunLog, shards: list) -> list[int]:
-        """Restart every dead shard in place in ``shards``; the restarted indices.
+    def _evaluator(self, test) -> Evaluator:
+        """The driver's copy of the model, scoring ``test`` (None: no test set)."""
+        return Evaluator(self.model, self.loss_fn, self.plan, test)
 
-        A restarted shard resumes from the newest checkpoint this run has written (or the
-        one it resumed from), so it loses the updates applied to its slice since then; with
-        no checkpoint yet it starts again from the initial parameters.
-        """
-        dead = dead_shards(shards)
-        for i in dead:
-            self._shard_restarts[i] += 1
-            log.log("shard_failed", shard=i, restarts=self._shard_restarts[i])
-            if self._shard_restarts[i] > MAX_SHARD_RESTARTS:
-                raise RuntimeError(f"shard {i} died more than {MAX_SHARD_RESTARTS} times; see "
-                                   "the run's shard_failed events")
-            restored, number = self._shard_checkpoint(log, i)
-            ray.kill(shards[i])
-            shards[i] = self._new_shard(i, restored)
-            version = ray.get(shards[i].stats.remote())["version"]
-            log.log("shard_restored", shard=i, checkpoint=number, version=version)
-        return dead
-
-    def _shard_checkpoint(self, log: RunLog, i: int) -> tuple[dict | None, int | None]:
-        """Shard ``i``'s part of the newest checkpoint (None: initial) and that number."""
-        if self._restart_from is not None:  # no checkpoint written by this run yet
-            restored, number = self._restart_from
-            return restored[i], number
-        manifest, parts = load_checkpoint(log.run_dir, self._checkpoints, self.plan,
-                                          self._state_names(), shards=[i])
-        entry = manifest["shards"][i]
-        return ({"arrays": parts[i], "version": entry["version"],
-                 "counters": entry["counters"]}, self._checkpoints)
-
-    def _checkpoint(self, log: RunLog, shards: list, extra: dict,
-                    vectors: tuple[str, ...] = ()) -> int | None:
-        """Every shard writes its slice, rule state, version and the named Sandblaster
-        ``vectors``; then the manifest. The checkpoint's number."""
-        if log.run_dir is None:
-            return None
-        number = self._checkpoints + 1
-        (log.run_dir / "checkpoints").mkdir(exist_ok=True)
-        versions = self._on_shards(log, shards, lambda: ray.get(
-            [s.save.remote(str(shard_file(log.run_dir, number, i)), vectors)
-             for i, s in enumerate(shards)]))
-        write_manifest(log.run_dir, number, versions, self.plan, self._state_names(), extra)
-        self._checkpoints, self._restart_from = number, None
-        log.log("checkpoint", number=number, versions=versions, **extra)
-        return number
-
-    def _progress_bar(self, total: int):
-        if not self._show_progress:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=total, unit="step", dynamic_ncols=True)
-
-    def _evaluate(self, log: RunLog, client: PSClient, evaluator: Evaluator,
-                  began: float) -> dict:
-        versions = client.fetch_into(evaluator.flat.flat_np)
-        scores = evaluator.score()
-        log.log("eval", updates=sum(versions), versions=versions, elapsed_s=time.time() - began,
-                **scores)
-        self._accuracy = scores.get("test_accuracy", self._accuracy)
-        return scores
-
-    def _tick(self, steps: int, loss: float) -> None:
-        if self._progress is None:
-            return
-        self._progress.update(steps)
-        rate = self._progress.format_dict.get("rate") or 0.0
-        acc = "" if self._accuracy is None else f" acc={self._accuracy:.3f}"
-        self._progress.set_postfix_str(f"loss={loss:.3f}{acc} updates/s={rate:.0f}")
-
-    def _finish(self, log: RunLog, evaluator: Evaluator, final: dict, updates: int,
-                began: float, shard_stats: list[dict], counters: dict) -> TrainResult:
-        """Log the final event, write params.safetensors and plot.png, build the result."""
-        wall = time.time() - began
-        log.log("final", updates=updates, wall_s=wall, shard_stats=shard_stats, **final)
-        params = evaluator.flat.named_arrays(self.plan)
-        if log.run_dir is not None:
-            save_arrays(log.run_dir / "params.safetensors", params,
-                        {"updates": str(updates), "algorithm": self.algorithm})
-            log.close()
-            plot_run(log.run_dir)
-        return TrainResult(params, final.get("test_accuracy"), final.get("test_loss"),
-                           updates, wall, shard_stats, counters, log.events,
-                           str(log.run_dir) if log.run_dir else None)
+    def _result(self, evaluator: Evaluator, shards: ShardSet, final: dict, updates: int,
+                shard_stats: list[dict], counters: dict) -> TrainResult:
+        """The run's result (the model holds the final parameters, fetched by ``final``'s
+        evaluation); the run folder gets params.safetensors and plot.png."""
+        return self.job.finish(evaluator.flat.named_arrays(self.plan), final, updates,
+                               shard_stats, counters)
 
 
 @contextmanager
@@ -300,18 +189,37 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 class Evaluator:
-    """The driver's copy of the model, loaded from the shards to score the test set."""
+    """The driver's copy of the model, loaded from the shards to score the test set.
 
-    def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test) -> None:
+    ``subset``: the test examples a periodic evaluation scores (None: all).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test,
+                 subset: int | None = None) -> None:
         self.flat = FlatModel(model, plan)
+        self.plan = plan
         self.loss_fn = loss_fn
         self.test = None if test is None else tuple(torch.from_numpy(a) for a in test)
+        self.subset = subset
+
+    def evaluate(self, job: Job, shards: ShardSet) -> dict:
+        """Load the shards' current parameters, score them, log an ``eval`` event; the
+        scores."""
+        versions = PSClient(shards.handles(), self.plan).fetch_into(self.flat.flat_np)
+        scores = self.score(shards, self.subset)
+        fields = {} if self.subset is None else {"subset": self.subset}
+        job.log("eval", updates=sum(versions), versions=versions, elapsed_s=job.elapsed_s(),
+                **fields, **scores)
+        job.evaluated(scores)
+        return scores
 
     @torch.no_grad()
-    def score(self) -> dict:
+    def score(self, shards: ShardSet, limit: int | None = None) -> dict:
+        """Test loss (and accuracy, for a classifier) of the loaded parameters on the first
+        ``limit`` test examples (None: all)."""
         if self.test is None:
             return {}
-        x, y = self.test
+        x, y = (a[:limit] for a in self.test)
         out = self.flat.model(x)
         scores = {"test_loss": float(self.loss_fn(out, y))}
         if out.ndim == 2 and not y.is_floating_point():

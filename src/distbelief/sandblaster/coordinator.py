@@ -28,7 +28,7 @@ class ShardVectorSpace:
     """The L-BFGS ``VectorSpace`` over shard actors; counts what comes back to the caller."""
 
     def __init__(self, shards: list) -> None:
-        self.shards = shards
+        self.shards = list(shards)
         self._pending: list[ray.ObjectRef] = []
         self.calls = 0
         self.scalars_received = 0

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import copy
-import time
-from functools import partial
+from collections.abc import Callable
 
 import numpy as np
 import ray
+from torch import nn
 
 from distbelief.errors import UserError
-from distbelief.metrics import RunLog
-from distbelief.modelpar.host import PartitionedHost
-from distbelief.ps.client import PSClient
-from distbelief.ps.host import FlatHost
+from distbelief.job import Checkpointer
+from distbelief.ps.group import ShardSet
 from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
 from distbelief.sandblaster.lbfgs import LBFGS
 from distbelief.sandblaster.linesearch import LineSearchError
@@ -49,44 +47,47 @@ class SandblasterLBFGS(Trainer):
             raise UserError(f"the checkpoint in {self.cfg.resume} has L-BFGS history "
                             f"{state.get('history')}: resume with --history "
                             f"{state.get('history')}")
-        self._checkpoints = int(manifest["checkpoint"])
 
     def _history_vectors(self) -> tuple[str, ...]:
         """The shard vectors an L-BFGS checkpoint needs besides x: g and the (s, y) ring."""
         slots = range(self.cfg.history + 1)
         return (G, *(f"s{i}" for i in slots), *(f"y{i}" for i in slots))
 
-    def _train(self, log: RunLog, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
-        cfg, plan = self.cfg, self.plan
-        began = time.time()
-        blueprint = copy.deepcopy(self.model)
-        evaluator = Evaluator(self.model, self.loss_fn, plan, test)
-        shards = self._start_shards(plan.split_flat(evaluator.flat.flat_np))
-        x_ref, y_ref = ray.put(x), ray.put(y)
-
-        host = partial(FlatHost, blueprint, plan, shards)
-        if cfg.partitions > 1:
-            host = partial(PartitionedHost, blueprint, plan, shards, self._partition_plan)
+    def replica_starter(self, shards: ShardSet, blueprint: nn.Module, x_ref: ray.ObjectRef,
+                        y_ref: ray.ObjectRef) -> Callable[[int], ray.actor.ActorHandle]:
+        """Where a Sandblaster run builds its replicas: ``start(i)`` starts replica i's actor
+        over a parameter host (:meth:`Trainer._host`) holding a pristine copy of
+        ``blueprint`` and the shards' current handles."""
+        cfg = self.cfg
 
         def start(i: int):
             return SandblasterReplica.options(name=self.actor_name("replica", i),
                                               scheduling_strategy="SPREAD").remote(
-                i, host, self.loss_fn, x_ref, y_ref, float(cfg.slow_replicas.get(i, 1.0)))
+                i, self._host(blueprint, shards), self.loss_fn, x_ref, y_ref,
+                float(cfg.slow_replicas.get(i, 1.0)))
 
-        space = ShardVectorSpace(shards)
+        return start
+
+    def _train(self, x: np.ndarray, y: np.ndarray, test) -> TrainResult:
+        cfg, plan = self.cfg, self.plan
+        blueprint = copy.deepcopy(self.model)
+        evaluator = self._evaluator(test)
+        shards = self._start_shards(plan.split_flat(evaluator.flat.flat_np))
+        start = self.replica_starter(shards, blueprint, ray.put(x), ray.put(y))
+        space = ShardVectorSpace(shards.handles())
         runner = PortionRunner(space, start, cfg.replicas, len(x), min(cfg.portions, len(x)),
                                cfg.portions_per_push, backups=cfg.backups)
         try:
-            return self._coordinate(log, began, shards, space, runner, evaluator, len(x))
+            return self._coordinate(shards, space, runner, evaluator, len(x))
         finally:
-            for actor in [*runner.replicas.values(), *shards]:
+            for actor in runner.replicas.values():
                 ray.kill(actor)
+            shards.kill()
 
-    def _coordinate(self, log: RunLog, began: float, shards: list, space: ShardVectorSpace,
-                    runner: PortionRunner, evaluator: Evaluator, n_rows: int) -> TrainResult:
-        cfg = self.cfg
-        log.log("placement", shards=[s["node"] for s in ray.get([s.stats.remote()
-                                                                  for s in shards])],
+    def _coordinate(self, shards: ShardSet, space: ShardVectorSpace, runner: PortionRunner,
+                    evaluator: Evaluator, n_rows: int) -> TrainResult:
+        cfg, job = self.cfg, self.job
+        job.log("placement", shards=[s["node"] for s in shards.stats()],
                 replicas=ray.get([r.where.remote() for r in runner.replicas.values()]))
 
         def evaluate(vector: str, grad: str) -> float:
@@ -97,7 +98,7 @@ class SandblasterLBFGS(Trainer):
                 [sq] = space.dots([(vector, vector)])
                 loss += 0.5 * cfg.l2 * sq
             b = runner.history[-1]
-            log.log("batch", batch=b.batch, vector=vector, loss=loss, wall_s=b.wall_s,
+            job.log("batch", batch=b.batch, vector=vector, loss=loss, wall_s=b.wall_s,
                     portions_by_replica={str(k): v for k, v in b.portions_by_replica.items()},
                     backups=b.backups, duplicates=b.duplicates, rounds=b.rounds,
                     recomputed=b.recomputed, failures=b.failures,
@@ -105,46 +106,44 @@ class SandblasterLBFGS(Trainer):
                     fetch_s={str(k): v for k, v in b.fetch_s.items()})
             return loss
 
-        client = PSClient(shards, self.plan)
         lbfgs = LBFGS(space, evaluate, history=cfg.history)
         if self.restored is not None:
             lbfgs.load_state_dict(self.restored[0]["lbfgs"])
-            log.log("resumed", checkpoint=self._checkpoints, iteration=lbfgs.iteration)
+            job.log("resumed", checkpoint=job.checkpoints, iteration=lbfgs.iteration)
 
         def checkpoint() -> None:
             space.sync()
-            self._checkpoint(log, shards, {"algorithm": "sandblaster",
-                                           "lbfgs": lbfgs.state_dict()},
-                             self._history_vectors())
+            checkpoints.write({"algorithm": "sandblaster", "lbfgs": lbfgs.state_dict()},
+                              self._history_vectors())
 
-        self._progress = self._progress_bar(cfg.iterations)
-        self._evaluate(log, client, evaluator, began)
+        job.progress(cfg.iterations)
+        evaluator.evaluate(job, shards)
         message = f"reached {cfg.iterations} iterations"
-        last_checkpoint = time.time()
+        checkpoints = Checkpointer(job, shards, self.plan, self._state_names(),
+                                   cfg.checkpoint_every_s)
         for _ in range(cfg.iterations - lbfgs.iteration):
             try:
                 info = lbfgs.step()
             except LineSearchError as err:
                 message = f"line search failed: {err}"
                 break
-            log.log("step", replica=-1, step=info.iteration, loss=info.loss,
+            job.log("step", replica=-1, step=info.iteration, loss=info.loss,
                     step_size=info.step_size, evaluations=info.evaluations,
                     grad_norm=info.grad_norm)
-            self._evaluate(log, client, evaluator, began)
-            self._tick(1, info.loss)
-            if time.time() - last_checkpoint >= cfg.checkpoint_every_s:
+            evaluator.evaluate(job, shards)
+            job.tick(1, info.loss)
+            if checkpoints.due():
                 checkpoint()
-                last_checkpoint = time.time()
             if info.grad_norm <= 1e-6:
                 message = "gradient norm below 1e-6"
                 break
         checkpoint()
-        final = self._evaluate(log, client, evaluator, began)
-        log.log("lbfgs_done", message=message, iterations=lbfgs.iteration,
+        final = evaluator.evaluate(job, shards)
+        job.log("lbfgs_done", message=message, iterations=lbfgs.iteration,
                 evaluations=lbfgs.evaluations, scalars_received=space.scalars_received,
                 commands=space.calls,
                 received_types=sorted(t.__name__ for t in space.received_types))
-        stats = ray.get([s.stats.remote() for s in shards])
+        stats = shards.stats()
         counters = {r: {"portions": sum(b.portions_by_replica.get(r, 0)
                                         for b in runner.history)} for r in runner.replicas}
-        return self._finish(log, evaluator, final, lbfgs.iteration, began, stats, counters)
+        return self._result(evaluator, shards, final, lbfgs.iteration, stats, counters)

@@ -5,13 +5,13 @@ additions: it starts S embedding shards next to the S dense shards (rows ``r % S
 replicas are :class:`~distbelief.replica.DownpourReplica` s over a
 :class:`~distbelief.sparse.host.RowSparseHost`, and it scores held-out
 click data by AUC (during training on the first ``EVAL_SUBSET`` test examples, at the end on
-all of them). The driver loop, restarts and the dense path are Downpour's own.
+all of them). The driver loop, restarts and the dense path are Downpour's own; the two
+kinds of shards are one :class:`~distbelief.sparse.group.RowShardGroup` to the driver.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -21,19 +21,21 @@ import ray
 import torch
 from torch import nn
 
-from distbelief.checkpoint import load_arrays, shard_file
+from distbelief.checkpoint import load_arrays, load_row_shard
 from distbelief.config import TrainConfig
 from distbelief.downpour import DownpourSGD
 from distbelief.errors import UserError
 from distbelief.host import HostFactory
-from distbelief.metrics import RunLog
-from distbelief.ps.client import PSClient
+from distbelief.ps.group import ShardGroup
+from distbelief.ps.plan import ShardPlan
 from distbelief.sparse.client import SparseClient
 from distbelief.sparse.ctr import CTRData, auc, ctr_from_npz, synthetic_ctr
+from distbelief.sparse.group import RowShardGroup, row_rejection_error
 from distbelief.sparse.host import RowSparseHost
 from distbelief.sparse.module import LocalTables, prefetch_rows, sparse_modules, table_specs
 from distbelief.sparse.shard import EmbeddingShard, EmbeddingShardCore
-from distbelief.trainer import MAX_SHARD_RESTARTS, Evaluator, TrainResult, dead_shards
+from distbelief.sparse.table import TableSpec
+from distbelief.trainer import Evaluator, TrainResult
 
 EVAL_SUBSET = 10_000  # test examples scored by the periodic evaluations (all at the end)
 
@@ -44,6 +46,31 @@ class SparseTrainResult(TrainResult):
 
     test_auc: float | None = None
     sparse_stats: list[dict] = field(default_factory=list, repr=False)
+
+
+class SparseEvaluator(Evaluator):
+    """The driver's copy of the model: dense parameters from the dense shards, the rows a
+    test batch needs from the row shards; scores log loss and AUC (periodic evaluations on
+    the first ``EVAL_SUBSET`` test examples)."""
+
+    def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test,
+                 specs: list[TableSpec]) -> None:
+        super().__init__(model, loss_fn, plan, test, subset=EVAL_SUBSET)
+        self.specs = specs
+
+    def score(self, shards: RowShardGroup, limit: int | None = None) -> dict:
+        """Held-out log loss and AUC with the shards' current rows (dense already fetched)."""
+        if self.test is None:
+            return {}
+        ids, y = (a[:limit] for a in self.test)
+        modules = sparse_modules(self.flat.model)
+        prefetch_rows(modules, ids, SparseClient(shards.row_handles(), self.specs))
+        with torch.no_grad():
+            logits = self.flat.model(ids)
+            loss = float(self.loss_fn(logits, y))
+        for m in modules:
+            m.clear()
+        return {"test_loss": loss, "test_auc": auc(y.numpy(), logits.numpy())}
 
 
 class SparseDownpourSGD(DownpourSGD):
@@ -66,17 +93,16 @@ class SparseDownpourSGD(DownpourSGD):
         if self.cfg.partitions > 1:
             raise UserError("--partitions > 1 does not work with sparse embedding tables yet: "
                             "pass --partitions 1")
-        self._sparse_shards: list = []
-        # where row shard i (re)starts from: None (the initial rows) or a checkpoint's row
-        # file {"file", "version", "arrays"}; arrays are held only until the shards start
-        self._row_restart_from: list[dict | None] = []
-        self._row_restarts: list[int] = []
+        # the resumed checkpoint's rows, read and validated before any actor starts; held
+        # only until the row shards start (a later restart reads the file again)
+        self._resumed_rows: list[dict] | None = None
 
     def _as_arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
         return id_arrays(x, y, what, self.specs)
 
-    def _host(self, model: nn.Module, shards: list) -> HostFactory:
-        return partial(RowSparseHost, model, self.plan, shards, self._sparse_shards, self.specs)
+    def _host(self, model: nn.Module, shards: RowShardGroup) -> HostFactory:
+        return partial(RowSparseHost, model, self.plan, shards.handles(), shards.row_handles(),
+                       self.specs)
 
     def _check_restored(self) -> None:
         """Downpour's checks, then the embedding rows: the checkpoint must hold this model's
@@ -89,8 +115,8 @@ class SparseDownpourSGD(DownpourSGD):
             raise UserError(f"the checkpoint in {self.cfg.resume} holds tables "
                             f"{manifest.get('tables')}, not this model's {self._table_list()}: "
                             "resume with the --rows and model of the run that wrote it")
-        self._row_restart_from = [self._read_rows(folder, i, entry)
-                                  for i, entry in enumerate(manifest["row_shards"])]
+        self._resumed_rows = [self._read_rows(folder, i, entry)
+                              for i, entry in enumerate(manifest["row_shards"])]
 
     def _table_list(self) -> list[list]:
         return [[s.name, s.rows, s.dim] for s in self.specs]
@@ -106,123 +132,46 @@ class SparseDownpourSGD(DownpourSGD):
         except ValueError as err:
             raise UserError(f"row checkpoint {entry['file']} does not fit this model ({err}): "
                             "use another checkpoint") from None
-        return {"arrays": arrays, "file": folder / entry["file"], "version": int(entry["version"])}
+        return {"arrays": arrays, "version": int(entry["version"])}
 
-    def _start_shards(self, initial: list[np.ndarray]) -> list[ray.actor.ActorHandle]:
+    def _start_shards(self, initial: list[np.ndarray]) -> RowShardGroup:
+        """Downpour's dense shards, then S embedding shards (from the resumed rows or the
+        initial ones), as one group."""
         dense = super()._start_shards(initial)
-        if not self._row_restart_from:
-            self._row_restart_from = [None] * self.cfg.shards
-        self._row_restarts = [0] * self.cfg.shards
-        self._sparse_shards = [self._new_row_shard(i, self._row_restart_from[i])
-                               for i in range(self.cfg.shards)]
-        for part in self._row_restart_from:  # a later restart reads the file again
-            if part is not None:
-                part["arrays"] = None
-        self._driver_rows = SparseClient(self._sparse_shards, self.specs)
-        return dense
+        cfg, job, specs = self.cfg, self.job, self.specs
 
-    def _new_row_shard(self, i: int, restored: dict | None) -> ray.actor.ActorHandle:
-        cfg = self.cfg
-        return self._named_actor(EmbeddingShard, "rowshard", i, i, cfg.shards, self.specs,
-                                 cfg.optimizer, cfg.lr, cfg.momentum, restored)
+        def spawn(i: int, restore_point: dict | None):
+            return job.actor(EmbeddingShard, "rowshard", i, i, cfg.shards, specs,
+                             cfg.optimizer, cfg.lr, cfg.momentum, restore_point)
 
-    def _checkpoint(self, log: RunLog, shards: list, extra: dict,
-                    vectors: tuple[str, ...] = ()) -> int | None:
-        """Every embedding shard writes its rows, rule state and version; then Downpour's
-        dense checkpoint, whose manifest (written last) names the row files too."""
-        if log.run_dir is None:
-            return None
-        number = self._checkpoints + 1
-        (log.run_dir / "checkpoints").mkdir(exist_ok=True)
-        files = [shard_file(log.run_dir, number, i, "rowshard") for i in range(self.cfg.shards)]
-        versions = self._on_shards(log, shards, lambda: ray.get(
-            [s.save.remote(str(f)) for s, f in zip(self._sparse_shards, files)]))
-        rows = [{"file": f.name, "version": int(v)} for f, v in zip(files, versions)]
-        number = super()._checkpoint(log, shards, {**extra, "tables": self._table_list(),
-                                                   "row_shards": rows}, vectors)
-        self._row_restart_from = [{"arrays": None, "file": f, "version": r["version"]}
-                                  for f, r in zip(files, rows)]
-        return number
+        rows = ShardGroup(job, "rowshard", cfg.shards, spawn, load_row_shard,
+                          self.restores_shards, label="row shard",
+                          rejections=row_rejection_error)
+        rows.start(self._resumed_rows, self._resumed_from())
+        self._resumed_rows = None
+        return RowShardGroup(dense, rows, self._table_list())
 
-    def _revive_shards(self, log: RunLog, shards: list) -> list[int]:
-        """Downpour's dense shards, then every dead embedding shard: restarted under its name
-        from the newest checkpoint's rows (or the initial rows), in place in the list the
-        replicas and the driver use. The restarted shards (dense indices, then row shards
-        numbered after them)."""
-        dead = super()._revive_shards(log, shards)
-        rows_dead = dead_shards(self._sparse_shards)
-        for i in rows_dead:
-            self._row_restarts[i] += 1
-            log.log("row_shard_failed", shard=i, restarts=self._row_restarts[i])
-            if self._row_restarts[i] > MAX_SHARD_RESTARTS:
-                raise RuntimeError(f"row shard {i} died more than {MAX_SHARD_RESTARTS} times; "
-                                   "see the run's row_shard_failed events")
-            part = self._row_restart_from[i]
-            if part is not None and part["arrays"] is None:  # written by this run: read it
-                part = {"arrays": load_arrays(part["file"]), "version": part["version"]}
-            ray.kill(self._sparse_shards[i])
-            self._sparse_shards[i] = self._driver_rows.shards[i] = self._new_row_shard(i, part)
-            version = ray.get(self._sparse_shards[i].stats.remote())["version"]
-            log.log("row_shard_restored", shard=i, checkpoint=self._checkpoints or None,
-                    version=version)
-        return dead + [len(shards) + i for i in rows_dead]
+    def _evaluator(self, test) -> SparseEvaluator:
+        return SparseEvaluator(self.model, self.loss_fn, self.plan, test, self.specs)
 
-    def _train(self, log: RunLog, x, y, test) -> TrainResult:
-        try:
-            return super()._train(log, x, y, test)
-        finally:
-            for actor in self._sparse_shards:
-                ray.kill(actor)
-            self._sparse_shards = []
-
-    def _score(self, evaluator: Evaluator, limit: int | None) -> dict:
-        """Held-out log loss and AUC with the shards' current rows (dense already fetched)."""
-        if evaluator.test is None:
-            return {}
-        ids, y = (a[:limit] for a in evaluator.test)
-        modules = sparse_modules(evaluator.flat.model)
-        prefetch_rows(modules, ids, self._driver_rows)
-        with torch.no_grad():
-            logits = evaluator.flat.model(ids)
-            loss = float(self.loss_fn(logits, y))
-        for m in modules:
-            m.clear()
-        return {"test_loss": loss, "test_auc": auc(y.numpy(), logits.numpy())}
-
-    def _evaluate(self, log: RunLog, client: PSClient, evaluator: Evaluator,
-                  began: float) -> dict:
-        versions = client.fetch_into(evaluator.flat.flat_np)
-        scores = self._score(evaluator, EVAL_SUBSET)
-        log.log("eval", updates=sum(versions), versions=versions, elapsed_s=time.time() - began,
-                subset=EVAL_SUBSET, **scores)
-        return scores
-
-    def _check_rejections(self, shards: list) -> None:
-        super()._check_rejections(shards)
-        stats = ray.get([s.stats.remote() for s in self._sparse_shards])
-        rejected = sum(s["rejected_total"] for s in stats)
-        if rejected > self.cfg.max_rejected:
-            last = next(s["last_rejection"] for s in stats if s["last_rejection"])
-            raise UserError(f"the embedding shards rejected {rejected} pushes, more than "
-                            f"--max-rejected {self.cfg.max_rejected} (last: {last}): fix the "
-                            "model's ids or lower --lr")
-
-    def _finish(self, log: RunLog, evaluator: Evaluator, final: dict, updates: int,
-                began: float, shard_stats: list[dict], counters: dict) -> TrainResult:
-        final = {**final, **self._score(evaluator, None)}
-        sparse_stats = ray.get([s.stats.remote() for s in self._sparse_shards])
-        log.log("sparse_shards", stats=sparse_stats)
-        self._keep_rows()
-        base = super()._finish(log, evaluator, final, updates, began, shard_stats, counters)
+    def _result(self, evaluator: SparseEvaluator, shards: RowShardGroup, final: dict,
+                updates: int, shard_stats: list[dict], counters: dict) -> TrainResult:
+        """Downpour's result plus the AUC on the whole test set and the row shards' stats;
+        the user's model gets the trained rows."""
+        final = {**final, **evaluator.score(shards, None)}
+        sparse_stats = shards.row_stats()
+        self.job.log("sparse_shards", stats=sparse_stats)
+        self._keep_rows(shards.row_handles())
+        base = super()._result(evaluator, shards, final, updates, shard_stats, counters)
         return SparseTrainResult(**vars(base), test_auc=final.get("test_auc"),
                                  sparse_stats=sparse_stats)
 
-    def _keep_rows(self) -> None:
+    def _keep_rows(self, row_shards: list) -> None:
         """Copy the trained rows into an in-process source attached to the user's model."""
         cfg = self.cfg
         local = LocalTables(self.specs, cfg.optimizer, cfg.lr, cfg.momentum)
         for spec in self.specs:
-            parts = ray.get([s.export.remote(spec.name) for s in self._sparse_shards])
+            parts = ray.get([s.export.remote(spec.name) for s in row_shards])
             for rows, values in parts:
                 local.tables[spec.name].load(rows, values)
         for m in sparse_modules(self.model):

@@ -1,0 +1,194 @@
+"""One run of a trainer: its folder and event log, progress bar, checkpoint numbering, result.
+
+A :class:`Job` is opened by :meth:`~distbelief.trainer.Trainer.fit` once Ray is up and is
+what the driver and its collaborators log to. :class:`Checkpointer` writes numbered
+checkpoints through the run's shards (see :mod:`distbelief.ps.group`); :class:`Cadence`
+says when something periodic is due.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import ray
+
+from distbelief.checkpoint import save_arrays, write_manifest
+from distbelief.metrics import RunLog, plot_run
+
+if TYPE_CHECKING:
+    from distbelief.ps.group import ShardSet
+    from distbelief.ps.plan import ShardPlan
+
+ACTOR_NAME_TRIES = 200  # 50 ms apart: how long a dead actor's name may take Ray to free
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: final parameters by name and the run's figures."""
+
+    params: dict[str, np.ndarray]
+    test_accuracy: float | None
+    test_loss: float | None
+    updates: int
+    wall_s: float
+    shard_stats: list[dict]
+    replica_counters: dict[int, dict]
+    events: list[dict] = field(repr=False)
+    run_dir: str | None = None
+
+
+def actor_name(run_id: str, role: str, index: int) -> str:
+    """The Ray actor name of a shard, row shard or replica of run ``run_id``."""
+    return f"distbelief-{run_id}-{role}-{index}"
+
+
+class Job:
+    """A run in progress: ``run_dir`` (None: events kept in memory only), the event log, the
+    progress bar (with ``progress``), the number of the newest checkpoint (``checkpoint``:
+    the one resumed from, 0 for none) and the result."""
+
+    def __init__(self, run_id: str, algorithm: str, run_dir: str | Path | None,
+                 progress: bool = False, checkpoint: int = 0) -> None:
+        self.run_id = run_id
+        self.algorithm = algorithm
+        self._log = RunLog(run_dir)
+        self.run_dir = self._log.run_dir
+        self.began = time.time()
+        self.checkpoints = checkpoint
+        self.accuracy: float | None = None  # the latest test accuracy, shown by the bar
+        self._show_progress = progress
+        self._bar = None
+
+    @property
+    def events(self) -> list[dict]:
+        return self._log.events
+
+    def log(self, event: str, **fields) -> dict:
+        """Append one event (see :class:`~distbelief.metrics.RunLog`)."""
+        return self._log.log(event, **fields)
+
+    def write_json(self, name: str, obj: dict) -> None:
+        self._log.write_json(name, obj)
+
+    def elapsed_s(self) -> float:
+        return time.time() - self.began
+
+    def actor(self, actor_class, role: str, index: int, *args, **kwargs
+              ) -> ray.actor.ActorHandle:
+        """``actor_class(*args, **kwargs)`` as the actor named ``actor_name(run_id, role,
+        index)``, spread over the nodes; retried while a dead predecessor's name is still
+        being freed (Ray frees it asynchronously)."""
+        for _ in range(ACTOR_NAME_TRIES):
+            try:
+                return actor_class.options(name=actor_name(self.run_id, role, index),
+                                           scheduling_strategy="SPREAD").remote(*args, **kwargs)
+            except ray.exceptions.ActorAlreadyExistsError:
+                time.sleep(0.05)
+        raise RuntimeError(f"{role} {index}'s actor name is still taken after it died")
+
+    def progress(self, total: int) -> None:
+        """Open the progress bar (when asked for) over ``total`` steps."""
+        if self._show_progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def tick(self, steps: int, loss: float) -> None:
+        """``steps`` more steps done, the last at ``loss``."""
+        if self._bar is None:
+            return
+        self._bar.update(steps)
+        rate = self._bar.format_dict.get("rate") or 0.0
+        acc = "" if self.accuracy is None else f" acc={self.accuracy:.3f}"
+        self._bar.set_postfix_str(f"loss={loss:.3f}{acc} updates/s={rate:.0f}")
+
+    def evaluated(self, scores: dict) -> None:
+        """Remember the test accuracy of an evaluation for the progress bar."""
+        self.accuracy = scores.get("test_accuracy", self.accuracy)
+
+    def next_checkpoint(self) -> int | None:
+        """The number the next checkpoint gets; None when the run has no folder."""
+        return None if self.run_dir is None else self.checkpoints + 1
+
+    def finish(self, params: dict[str, np.ndarray], final: dict, updates: int,
+               shard_stats: list[dict], counters: dict) -> TrainResult:
+        """Log the final event, write params.safetensors and plot.png, build the result."""
+        wall = self.elapsed_s()
+        self.log("final", updates=updates, wall_s=wall, shard_stats=shard_stats, **final)
+        if self.run_dir is not None:
+            save_arrays(self.run_dir / "params.safetensors", params,
+                        {"updates": str(updates), "algorithm": self.algorithm})
+            self._log.close()
+            plot_run(self.run_dir)
+        return TrainResult(params, final.get("test_accuracy"), final.get("test_loss"),
+                           updates, wall, shard_stats, counters, self._log.events,
+                           str(self.run_dir) if self.run_dir else None)
+
+    def close(self) -> None:
+        self._log.close()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class Cadence:
+    """Something done every ``every_s`` seconds of wall time (``inf``: never by itself);
+    first due now (``due_now``) or ``every_s`` from now."""
+
+    def __init__(self, every_s: float, due_now: bool = False) -> None:
+        self.every_s = every_s
+        self.at = time.time() if due_now else time.time() + every_s
+
+    def due(self) -> bool:
+        return time.time() >= self.at
+
+    def restart(self) -> None:
+        """Done now: next due ``every_s`` from now."""
+        self.at = time.time() + self.every_s
+
+
+class Checkpointer:
+    """Writes the run's numbered checkpoints: every shard its files, then the manifest.
+
+    ``plan`` and ``state_names`` (the update rule's state arrays) describe the dense shards'
+    files in the manifest; a checkpoint is due every ``every_s`` seconds.
+    """
+
+    def __init__(self, job: Job, shards: ShardSet, plan: ShardPlan,
+                 state_names: Sequence[str], every_s: float) -> None:
+        self.job = job
+        self.shards = shards
+        self.plan = plan
+        self.state_names = tuple(state_names)
+        self.cadence = Cadence(every_s)
+
+    def due(self) -> bool:
+        return self.cadence.due()
+
+    def write(self, extra: dict, vectors: tuple[str, ...] = ()) -> int | None:
+        """Checkpoint the shards (with the named Sandblaster ``vectors``) and the manifest
+        fields ``extra``; the checkpoint's number (None: the run has no folder).
+
+        The manifest is written last, so a crash leaves the previous checkpoint the newest;
+        then shards that die restart from this one.
+        """
+        number = self.job.next_checkpoint()
+        if number is not None:
+            self._write(number, extra, vectors)
+        self.cadence.restart()
+        return number
+
+    def _write(self, number: int, extra: dict, vectors: tuple[str, ...]) -> None:
+        run_dir = self.job.run_dir
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        versions, fields = self.shards.save(run_dir, number, vectors)
+        extra = {**extra, **fields}
+        write_manifest(run_dir, number, versions, self.plan, self.state_names, extra)
+        self.job.checkpoints = number
+        self.shards.saved(run_dir, number)
+        self.job.log("checkpoint", number=number, versions=versions, **extra)
