@@ -6,7 +6,8 @@ import json
 import numpy as np
 
 from distbelief.checkpoint import load_row_shard, load_shard, read_manifest, shard_file
-from distbelief.job import Cadence, Checkpointer, Job, actor_name
+from distbelief.checkpointer import Checkpointer
+from distbelief.job import Cadence, Job, actor_name
 from distbelief.ps.group import ShardSet, rejection_error
 from distbelief.ps.optim import Adagrad
 from distbelief.ps.plan import ShardPlan

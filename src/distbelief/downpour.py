@@ -17,9 +17,10 @@ import time
 import ray
 from torch import nn
 
+from distbelief.checkpointer import Checkpointer
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
-from distbelief.job import Cadence, Checkpointer
+from distbelief.job import Cadence
 from distbelief.ps.group import ShardSet
 from distbelief.replica import DownpourReplica
 from distbelief.segments import Replicas, SegmentSchedule, Start

@@ -9,8 +9,8 @@ import numpy as np
 import ray
 from torch import nn
 
+from distbelief.checkpointer import Checkpointer
 from distbelief.errors import UserError
-from distbelief.job import Checkpointer
 from distbelief.ps.group import ShardSet
 from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
 from distbelief.sandblaster.lbfgs import LBFGS
