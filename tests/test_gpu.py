@@ -16,6 +16,7 @@ from distbelief.ps.client import PSClient
 from distbelief.ps.host import FlatHost
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
+from distbelief.sparse import SparseDownpourSGD, WideAndDeep
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -65,6 +66,12 @@ def test_auto_without_gpus_resolves_to_cpu_and_a_cluster_may_hold_the_gpus():
     on_cluster = TrainConfig(device="cuda", gpus_per_replica=0.5, address="10.0.0.1:6379")
     assert on_cluster.validate().device == "cuda"  # the cluster's replicas have CUDA, maybe
     assert TrainConfig().validate().device == "cpu" and TrainConfig().gpus_per_replica == 0
+
+
+def test_sparse_tables_refuse_gpu_replicas_through_the_api():
+    model = WideAndDeep(rows=50, fields=2, hidden=0)
+    with pytest.raises(UserError, match="sparse embedding tables train on CPU"):
+        SparseDownpourSGD(model, device="cuda", gpus_per_replica=1, address="10.0.0.1:6379")
 
 
 def test_device_helpers_leave_cpu_alone():
