@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check as ONE short script, for a machine with an NVIDIA GPU; run from the repo root:
-#     bash bench/gpu.sh                 # log and run folders under ${OUT:-runs/gpu}
+#     bash bench/gpu.sh      # log: ${OUT:-runs/gpu}/gpu.log; run folders under runs/gpu
 # It runs tests/test_gpu.py (its CUDA tests run there, unlike on CPU-only CI), a small CPU vs
 # GPU Downpour run of the command line, and bench/workloads.py if that script exists.
 #
@@ -8,16 +8,19 @@
 # pip replace a CUDA torch with it. Two ways to provide the rest:
 #   - offline (the lent H200 image: its python3 already holds a CUDA torch, nothing can be
 #     downloaded, Ray is missing): distbelief runs from src/ through PYTHONPATH, torch and the
-#     other packages come from that python3, and wheels in .whl/ (at least ray==2.60.0 for
-#     that Python; see the device tool's README for `pip download --platform ...`) are
-#     installed with --no-index --no-deps into /tmp/site. PYTHON=... picks another python3.
+#     other packages come from that python3, and wheels in .whl/ are installed with
+#     --no-index --no-deps into /tmp/site: ray==2.60.0 for that Python (3.12 as last seen)
+#     and those of its needs the image lacks (jsonschema, jsonschema-specifications,
+#     referencing, rpds-py), fetched with `pip download --no-deps --only-binary=:all:
+#     --python-version 3.12 --platform manylinux2014_x86_64 ...`. Check the ray wheel's size
+#     against what a call may carry. PYTHON=... picks another python3.
 #   - online (CUDA_INDEX set, e.g. CUDA_INDEX=https://download.pytorch.org/whl/cu128): a fresh
 #     venv .venv-gpu gets torch==2.13.0 from that index first (its local version, 2.13.0+cu128,
 #     satisfies the ==2.13.0 pin), then `pip install -e '.[test]'` keeps it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
-mkdir -p "$OUT"
+mkdir -p "$OUT" runs/gpu
 exec > >(tee "$OUT/gpu.log") 2>&1
 
 if [ -n "${CUDA_INDEX:-}" ]; then
@@ -51,7 +54,7 @@ for device in cpu cuda; do
     began=$(date +%s%N)
     timeout 240 $PY -m distbelief.cli train --dataset digits --replicas 4 --shards 2 \
         --steps 300 --no-progress --device "$device" --gpus-per-replica "$gpus" \
-        --run-dir "$OUT/digits-$device" | tail -3
+        --run-dir "runs/gpu/digits-$device" | tail -3
     echo "device=$device wall_ms=$(( ($(date +%s%N) - began) / 1000000 ))"
 done
 
