@@ -22,6 +22,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distbelief.devices import DEVICES, cuda_available
 from distbelief.errors import UserError
 
 ALGORITHMS = ("downpour", "sandblaster")
@@ -98,6 +99,12 @@ class TrainConfig:
     slow_replicas: dict[int, float] = option(
         section="parallelism", factory=dict, flag="--slow-replica", metavar="INDEX:FACTOR",
         example="0:4", help="make a replica slower (repeatable)")
+    device: str = option("cpu", section="parallelism", choices=DEVICES,
+                         help="where replicas compute: cpu, cuda, or auto (cuda where the "
+                              "replica's process sees a GPU; cpu when --gpus-per-replica is 0)")
+    gpus_per_replica: float = option(0.0, section="parallelism",
+                                     help="GPUs Ray reserves for each replica (fractions share "
+                                          "one GPU; > 0 with --device cuda); shards stay on CPU")
     # downpour
     optimizer: str = option("adagrad", section="downpour", choices=OPTIMIZERS,
                             help="the shards' update rule")
@@ -176,6 +183,7 @@ class TrainConfig:
         _choice("model", self.model, MODELS)
         _at_least("partitions", self.partitions, 1)
         _choice("partition_by", self.partition_by, PARTITION_BY)
+        _check_gpus(self)
         _at_least("channels", self.channels, 1)
         if self.dataset == "ctr" and self.algorithm != "downpour":
             raise UserError(f"--dataset ctr (sparse embedding tables) trains with --algorithm "
@@ -213,6 +221,7 @@ class TrainConfig:
             raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "
                             f"{flag('steps')} ({self.steps}): warm-start steps are part of "
                             "replica 0's steps, so pass a smaller value")
+        _check_cuda_here(self)
         return self
 
     def resolve(self, *, command_line: bool = False) -> TrainConfig:
@@ -229,6 +238,8 @@ class TrainConfig:
         - ``run_dir`` ``None``: the ``resume`` folder; else, on the command line
           (``command_line=True``), ``runs/<local time>`` (the Python API keeps none).
         - ``address`` ``None``: on the command line, ``$RAY_ADDRESS`` (else embedded).
+        - ``device`` ``auto`` with ``gpus_per_replica`` 0: ``cpu`` (a replica Ray gives no
+          GPU sees none); with GPUs, each replica picks cuda if its process sees one.
 
         ``partition_by="auto"`` depends on the model; the partition planner
         (``distbelief.modelpar``) decides it.
@@ -239,6 +250,8 @@ class TrainConfig:
                 setattr(self, f.name, f.metadata["ctr" if click else "auto"])
         if self.portions == 0:
             self.portions = PORTIONS_PER_REPLICA * self.replicas
+        if self.device == "auto" and self.gpus_per_replica == 0:
+            self.device = "cpu"
         if self.num_cpus is None:
             self.num_cpus = max(2, self.replicas * self.partitions + self.shards)
         if self.run_dir is None:
@@ -334,3 +347,31 @@ def _at_least(name: str, value: int, low: int) -> None:
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise UserError(f"{flag(name)} must be a finite number > 0 (got {value!r})")
+
+
+def _check_gpus(cfg: TrainConfig) -> None:
+    """``device`` and ``gpus_per_replica`` agree; GPU replicas only where they are built."""
+    _choice("device", cfg.device, DEVICES)
+    gpus = cfg.gpus_per_replica
+    if isinstance(gpus, bool) or not (isinstance(gpus, (int, float)) and math.isfinite(gpus)
+                                      and gpus >= 0):
+        raise UserError(f"{flag('gpus_per_replica')} must be a number >= 0 (got {gpus!r})")
+    if cfg.device == "cuda" and gpus == 0:
+        raise UserError("--device cuda needs GPUs from Ray: pass --gpus-per-replica (e.g. 1, "
+                        "or 0.5 for two replicas per GPU)")
+    if cfg.device == "cpu" and gpus > 0:
+        raise UserError(f"--gpus-per-replica {gpus} reserves GPUs that --device cpu does not "
+                        "use: pass --device cuda (or auto), or drop --gpus-per-replica")
+    if gpus > 0 and (cfg.partitions > 1 or cfg.click_data):
+        raise UserError("GPU replicas train dense models without --partitions: model "
+                        "partitions and click data (ctr) run on CPU, so drop --device and "
+                        "--gpus-per-replica")
+
+
+def _check_cuda_here(cfg: TrainConfig) -> None:
+    """Refuse GPUs on a local run whose torch has no CUDA (Ray would wait for them forever)."""
+    if cfg.gpus_per_replica > 0 and cfg.address is None and not cuda_available():
+        raise UserError(f"--device {cfg.device} --gpus-per-replica {cfg.gpus_per_replica}: "
+                        "this machine's torch has no CUDA (or no GPU) and no --address "
+                        "cluster was given: install a CUDA build of torch (see bench/gpu.sh), "
+                        "pass --address of a Ray cluster with GPUs, or use --device cpu")

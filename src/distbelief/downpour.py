@@ -19,6 +19,7 @@ from torch import nn
 
 from distbelief.checkpointer import Checkpointer
 from distbelief.config import TrainConfig
+from distbelief.devices import gpu_options
 from distbelief.errors import UserError
 from distbelief.job import Cadence
 from distbelief.ps.group import ShardSet
@@ -55,7 +56,8 @@ class DownpourSGD(Trainer):
 
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
             return self.job.actor(DownpourReplica, "replica", i, i, self._host(blueprint, shards),
-                                  self.loss_fn, x_ref, y_ref, cfg, step)
+                                  self.loss_fn, x_ref, y_ref, cfg, step,
+                                  options=gpu_options(cfg.gpus_per_replica))
 
         return start
 

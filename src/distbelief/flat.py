@@ -33,17 +33,21 @@ def parameter_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
 class FlatModel:
     """A model whose trainable parameters and gradients live in two flat buffers."""
 
-    def __init__(self, model: nn.Module, plan: ShardPlan) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, plan: ShardPlan,
+                 device: torch.device | str = "cpu") -> None:
+        """``device``: where the buffers (and the model, moved there) live; ``flat_np`` and
+        ``grad_np`` (NumPy views) exist on CPU only."""
+        on_cpu = torch.device(device).type == "cpu"
+        self.model = model if on_cpu else model.to(device)
         self.params = [p for _, p in model.named_parameters() if p.requires_grad]
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         if names != [t.name for t in plan.tensors]:
             raise UserError("the model's parameters differ from the shard plan's: build the "
                             "plan from the same model class and arguments")
-        self.flat = torch.empty(plan.numel, dtype=torch.float32)
-        self.grad = torch.zeros(plan.numel, dtype=torch.float32)
-        self.flat_np = self.flat.numpy()
-        self.grad_np = self.grad.numpy()
+        self.flat = torch.empty(plan.numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(plan.numel, dtype=torch.float32, device=device)
+        self.flat_np = self.flat.numpy() if on_cpu else None
+        self.grad_np = self.grad.numpy() if on_cpu else None
         self._grad_views = []
         offset = 0
         with torch.no_grad():

@@ -76,15 +76,17 @@ class Job:
     def elapsed_s(self) -> float:
         return time.time() - self.began
 
-    def actor(self, actor_class, role: str, index: int, *args, **kwargs
-              ) -> ray.actor.ActorHandle:
+    def actor(self, actor_class, role: str, index: int, *args, options: dict | None = None,
+              **kwargs) -> ray.actor.ActorHandle:
         """``actor_class(*args, **kwargs)`` as the actor named ``actor_name(run_id, role,
-        index)``, spread over the nodes; retried while a dead predecessor's name is still
-        being freed (Ray frees it asynchronously)."""
+        index)``, spread over the nodes (with Ray actor ``options`` such as ``num_gpus``);
+        retried while a dead predecessor's name is still being freed (Ray frees it
+        asynchronously)."""
         for _ in range(ACTOR_NAME_TRIES):
             try:
                 return actor_class.options(name=actor_name(self.run_id, role, index),
-                                           scheduling_strategy="SPREAD").remote(*args, **kwargs)
+                                           scheduling_strategy="SPREAD",
+                                           **(options or {})).remote(*args, **kwargs)
             except ray.exceptions.ActorAlreadyExistsError:
                 time.sleep(0.05)
         raise RuntimeError(f"{role} {index}'s actor name is still taken after it died")

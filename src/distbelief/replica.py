@@ -19,6 +19,7 @@ from torch import nn
 from distbelief import cluster
 from distbelief.config import TrainConfig
 from distbelief.data import ReplicaSampler
+from distbelief.devices import CPU, on_device
 from distbelief.host import HostFactory
 
 
@@ -36,6 +37,7 @@ class ReplicaLoop:
         torch.set_num_threads(1)
         self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
         self.host = host(replica=index)
+        self.device = getattr(self.host, "device", CPU)  # batches go where the host computes
         self.sampler = ReplicaSampler(len(x), index, cfg.replicas, cfg.batch_size, cfg.seed,
                                       cfg.data_split)
         self.x_np = np.asarray(x)
@@ -59,8 +61,8 @@ class ReplicaLoop:
             fetched = self.step % cfg.n_fetch == 0
             fields = self.host.fetch(self._upcoming) if fetched else self.host.event_fields
             rows = torch.from_numpy(self.sampler.batch(self.step))
-            y = self.y[rows]
-            loss = self.host.forward_backward(self.x[rows], lambda out, y=y: self.loss_fn(out, y))
+            x, y = on_device(self.device, self.x[rows], self.y[rows])
+            loss = self.host.forward_backward(x, lambda out, y=y: self.loss_fn(out, y))
             self.since_push += 1
             pushed = self.since_push == cfg.n_push
             if pushed:

@@ -153,7 +153,7 @@ class Trainer:
             return partial(PartitionedHost, model, self.plan, shards.handles(),
                            self._partition_plan)
         return partial(FlatHost, model, self.plan, shards.handles(),
-                       grad_dtype=self.cfg.grad_dtype,
+                       grad_dtype=self.cfg.grad_dtype, device=self.cfg.device,
                        names=[self.actor_name("shard", i) for i in range(self.plan.shards)])
 
     def _evaluator(self, test) -> Evaluator:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from distbelief.devices import DeviceBuffers, replica_device
 from distbelief.flat import FlatModel
 from distbelief.host import LossOf
 from distbelief.ps.client import INLINE_BYTES, PSClient
@@ -25,15 +26,23 @@ class FlatHost:
     ``names`` (the shards' actor names) let the client survive a shard's restart;
     ``grad_dtype`` is the pushed gradients' wire format; with ``fuse`` a push whose next
     step fetches, of a gradient small enough to travel inline, also brings the parameters
-    back in the same call per shard.
+    back in the same call per shard. ``device`` (cpu, cuda, auto: see
+    :func:`~distbelief.devices.replica_device`) is where the model and gradients live; off
+    CPU (or with ``staged``, which tests use on CPU), parameters and gradients pass through
+    reusable host buffers (:class:`DeviceBuffers`).
     """
 
     event_fields: dict = {}
 
     def __init__(self, model: nn.Module, plan: ShardPlan, shards: list, replica: int = -1,
                  names: Sequence[str] | None = None, grad_dtype: str = "float32",
-                 fuse: bool = True) -> None:
-        self.flat = FlatModel(model, plan)
+                 fuse: bool = True, device: str = "cpu", staged: bool | None = None) -> None:
+        self.device = replica_device(device)
+        self.flat = FlatModel(model, plan, self.device)
+        if staged is None:
+            staged = self.device.type != "cpu"
+        self.buffers = DeviceBuffers(self.flat.flat) if staged else None
+        self._params_np = self.flat.flat_np if self.buffers is None else self.buffers.params_np
         self.client = PSClient(shards, plan, replica=replica, names=names,
                                grad_dtype=grad_dtype)
         self.plan, self.fuse, self.replica = plan, fuse, replica
@@ -48,7 +57,9 @@ class FlatHost:
         if self._fetched_early:  # the last push brought this step's parameters back
             self._fetched_early = False
         else:
-            self.client.fetch_into(self.flat.flat_np)
+            self.client.fetch_into(self._params_np)
+        if self.buffers is not None:
+            self.buffers.params_to_device()
         return {}
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
@@ -81,12 +92,16 @@ class FlatHost:
         otherwise it overlaps the next step."""
         grad = self.accrued if self.accrued is not None else self.flat.grad
         if self.fuse and fetch_next and grad.numel() * 4 <= INLINE_BYTES:
-            self.client.push_fetch_into(grad.numpy(), self.flat.flat_np)
+            self.client.push_fetch_into(self._host_np(grad), self._params_np)
             self._fetched_early = True
         else:
-            self.client.push(grad.numpy())
+            self.client.push(self._host_np(grad))
         if self.accrued is not None:
             self.accrued.zero_()
+
+    def _host_np(self, t: torch.Tensor) -> np.ndarray:
+        """``t`` (flat, float32) as NumPy on the host: a view on CPU, else the host buffer."""
+        return t.numpy() if self.buffers is None else self.buffers.grad_to_host(t)
 
     def apply_local(self, lr: float) -> None:
         """Plain SGD at ``lr`` with this step's gradient."""
@@ -109,7 +124,11 @@ class FlatHost:
         c = self.client
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
                 "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
-                "retried": c.retried}
+                "retried": c.retried, **self._device_field()}
+
+    def _device_field(self) -> dict:
+        """``{"device": "cuda:0"}`` off CPU (nothing on CPU, so CPU counters are unchanged)."""
+        return {} if self.buffers is None else {"device": str(self.device)}
 
     def partitions(self) -> list:
         return []
@@ -117,7 +136,9 @@ class FlatHost:
     # Sandblaster
 
     def load_vector(self, name: str) -> None:
-        self.client.fetch_vector_into(name, self.flat.flat_np)
+        self.client.fetch_vector_into(name, self._params_np)
+        if self.buffers is not None:
+            self.buffers.params_to_device()
         self.pending = {}
         self.batch_sum = torch.zeros_like(self.flat.grad)
 
@@ -131,7 +152,7 @@ class FlatHost:
                 self.batch_sum += grad
 
     def stage(self, tag: str) -> bool:
-        if not self.client.stage(tag, self.batch_sum.numpy()):
+        if not self.client.stage(tag, self._host_np(self.batch_sum)):
             return False
         self.batch_sum.zero_()
         return True

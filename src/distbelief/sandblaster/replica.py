@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from distbelief import cluster
+from distbelief.devices import CPU, on_device
 from distbelief.host import HostFactory
 
 
@@ -36,6 +37,7 @@ class PortionReplica:
         torch.set_num_threads(1)
         self.index, self.loss_fn, self.slow = index, loss_fn, slow
         self.host = host(replica=index)
+        self.device = getattr(self.host, "device", CPU)  # batches go where the host computes
         self.x, self.y = torch.from_numpy(np.asarray(x)), torch.from_numpy(np.asarray(y))
         self.batch: int | None = None
         self.pending: set[int] = set()  # computed portions awaiting a verdict
@@ -65,8 +67,8 @@ class PortionReplica:
             fetch_s = time.perf_counter() - began
         began = time.perf_counter()
         rows = hi - lo
-        y = self.y[lo:hi]
-        loss = self.host.forward_backward(self.x[lo:hi], lambda out: self.loss_fn(out, y) * rows)
+        x, y = on_device(self.device, self.x[lo:hi], self.y[lo:hi])
+        loss = self.host.forward_backward(x, lambda out: self.loss_fn(out, y) * rows)
         self.host.hold(portion)
         self.pending.add(portion)
         compute_s = time.perf_counter() - began

@@ -10,6 +10,7 @@ import ray
 from torch import nn
 
 from distbelief.checkpointer import Checkpointer
+from distbelief.devices import gpu_options
 from distbelief.errors import UserError
 from distbelief.ps.group import ShardSet
 from distbelief.sandblaster.coordinator import PortionRunner, ShardVectorSpace
@@ -62,7 +63,8 @@ class SandblasterLBFGS(Trainer):
 
         def start(i: int):
             return SandblasterReplica.options(name=self.actor_name("replica", i),
-                                              scheduling_strategy="SPREAD").remote(
+                                              scheduling_strategy="SPREAD",
+                                              **gpu_options(cfg.gpus_per_replica)).remote(
                 i, self._host(blueprint, shards), self.loss_fn, x_ref, y_ref,
                 float(cfg.slow_replicas.get(i, 1.0)))
 

@@ -93,6 +93,9 @@ class SparseDownpourSGD(DownpourSGD):
         if self.cfg.partitions > 1:
             raise UserError("--partitions > 1 does not work with sparse embedding tables yet: "
                             "pass --partitions 1")
+        if self.cfg.gpus_per_replica > 0:
+            raise UserError("sparse embedding tables train on CPU: drop --device and "
+                            "--gpus-per-replica")
         # the resumed checkpoint's rows, read and validated before any actor starts; held
         # only until the row shards start (a later restart reads the file again)
         self._resumed_rows: list[dict] | None = None

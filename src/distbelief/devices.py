@@ -1,0 +1,76 @@
+"""Where a replica computes (``--device``), and the host buffers between shards and device.
+
+Shards always hold parameters on CPU as NumPy float32. A replica on a GPU keeps its model,
+its batches, its loss and its gradients on the device; a :class:`DeviceBuffers` stages the
+flat parameters (shards -> host -> device) and the flat gradient (device -> host -> shards)
+through two host buffers allocated once (pinned when CUDA is available), so a step allocates
+nothing. On CPU none of this is used: the flat model's own buffers are the NumPy arrays the
+shard client reads and writes, as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+DEVICES = ("cpu", "cuda", "auto")
+CPU = torch.device("cpu")
+
+
+def cuda_available() -> bool:
+    """Whether this process's torch has CUDA and sees at least one GPU."""
+    return torch.cuda.is_available()
+
+
+def replica_device(device: str) -> torch.device:
+    """The torch device of ``--device`` in the calling (replica's) process: ``auto`` is
+    ``cuda`` when this process sees a GPU (Ray sets ``CUDA_VISIBLE_DEVICES`` per actor), else
+    ``cpu``."""
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    return torch.device(device)
+
+
+def gpu_options(gpus_per_replica: float) -> dict:
+    """Ray actor options for a replica's (or partition's) GPU share; none for 0, so a CPU
+    run's actors are created exactly as without this option."""
+    return {"num_gpus": gpus_per_replica} if gpus_per_replica else {}
+
+
+def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` moved to ``device``; on CPU the same objects (no copy)."""
+    if device.type == "cpu":
+        return tensors
+    return tuple(t.to(device, non_blocking=True) for t in tensors)
+
+
+class DeviceBuffers:
+    """Reusable host buffers for a flat parameter tensor ``flat`` (shape ``(numel,)``,
+    float32) that lives on a device.
+
+    ``params_np`` is the host buffer a fetch writes (NumPy view of a pinned tensor when
+    ``pin``; default: pin when CUDA is available); :meth:`params_to_device` copies it into
+    ``flat`` (non-blocking: later kernels on the same stream wait for it, and the step's
+    ``float(loss)`` synchronises before the next fetch overwrites the buffer).
+    :meth:`grad_to_host` copies a device gradient into the other host buffer and returns its
+    NumPy view, ready to push. Both buffers are the same objects for the whole run.
+    """
+
+    def __init__(self, flat: torch.Tensor, pin: bool | None = None) -> None:
+        pin = cuda_available() if pin is None else pin
+        self.flat = flat
+        self.host_params = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=pin)
+        self.host_grad = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=pin)
+        self.params_np: np.ndarray = self.host_params.numpy()
+        self.grad_np: np.ndarray = self.host_grad.numpy()
+
+    def params_to_device(self) -> None:
+        """Copy the fetched host parameters into the device's flat parameters."""
+        with torch.no_grad():
+            self.flat.copy_(self.host_params, non_blocking=True)
+
+    def grad_to_host(self, grad: torch.Tensor) -> np.ndarray:
+        """Copy ``grad`` (device, ``(numel,)``) into the host gradient buffer (blocking, so
+        it is complete on return); its NumPy view."""
+        self.host_grad.copy_(grad)
+        return self.grad_np
