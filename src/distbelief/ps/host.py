@@ -15,6 +15,7 @@ from torch import nn
 
 from distbelief.flat import FlatModel
 from distbelief.host import LossOf
+from distbelief.ps.buffers import BufferPlan, BufferReporter
 from distbelief.ps.client import INLINE_BYTES, PSClient
 from distbelief.ps.plan import ShardPlan
 
@@ -25,7 +26,9 @@ class FlatHost:
     ``names`` (the shards' actor names) let the client survive a shard's restart;
     ``grad_dtype`` is the pushed gradients' wire format; with ``fuse`` a push whose next
     step fetches, of a gradient small enough to travel inline, also brings the parameters
-    back in the same call per shard.
+    back in the same call per shard. A model with buffers (BatchNorm statistics) reports
+    them to shard 0 with each push and loads shard 0's with each fetch
+    (:mod:`distbelief.ps.buffers`); without buffers the calls are exactly as before.
     """
 
     event_fields: dict = {}
@@ -41,6 +44,8 @@ class FlatHost:
         self._fetched_early = False
         self.pending: dict[int, torch.Tensor] = {}  # Sandblaster portions awaiting a verdict
         self.batch_sum = torch.zeros(0)  # Sandblaster: the kept portions' gradient sum
+        buffers = BufferPlan.of(model)
+        self.buffers = BufferReporter(buffers, model) if buffers else None
 
     # Downpour
 
@@ -48,8 +53,13 @@ class FlatHost:
         if self._fetched_early:  # the last push brought this step's parameters back
             self._fetched_early = False
         else:
-            self.client.fetch_into(self.flat.flat_np)
+            self.client.fetch_into(self.flat.flat_np, buffers=self.buffers is not None)
+            self._load_buffers()
         return {}
+
+    def _load_buffers(self) -> None:
+        if self.buffers is not None:
+            self.buffers.load(self.client.buffers)
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         self.flat.zero_grad()
@@ -80,11 +90,13 @@ class FlatHost:
         fetch (see :meth:`PSClient.push_fetch_into`) where ``fetch_next`` and it is small;
         otherwise it overlaps the next step."""
         grad = self.accrued if self.accrued is not None else self.flat.grad
+        report = None if self.buffers is None else self.buffers.report()
         if self.fuse and fetch_next and grad.numel() * 4 <= INLINE_BYTES:
-            self.client.push_fetch_into(grad.numpy(), self.flat.flat_np)
+            self.client.push_fetch_into(grad.numpy(), self.flat.flat_np, buffers=report)
+            self._load_buffers()
             self._fetched_early = True
         else:
-            self.client.push(grad.numpy())
+            self.client.push(grad.numpy(), buffers=report)
         if self.accrued is not None:
             self.accrued.zero_()
 
