@@ -70,7 +70,7 @@ class BufferPlan:
                 for name, shape in specs:
                     k = int(np.prod(shape, dtype=np.int64))
                     b = buffers[name]
-                    b.copy_(torch.from_numpy(np.asarray(flat[offset: offset + k])).view(shape))
+                    b.copy_(torch.from_numpy(np.array(flat[offset: offset + k])).view(shape))
                     offset += k
 
     def named(self, model: nn.Module) -> dict[str, np.ndarray]:
@@ -120,6 +120,11 @@ class BufferAverage:
         self.counts = np.array(counts, dtype=np.int64, copy=True).reshape(-1)
         self.weight = np.float32(1.0 / max(1, int(replicas)))
         self.reports = 0
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (in a shard actor) with arrays of its own: Ray's are read-only."""
+        self.__dict__.update(state)
+        self.floats, self.counts = self.floats.copy(), self.counts.copy()
 
     def check(self, report: object) -> bool:
         """Whether ``report`` is a well-formed ``(floats, count deltas)`` pair."""
