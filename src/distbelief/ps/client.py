@@ -77,9 +77,8 @@ class PSClient:
         ``buffers``: also get the model's buffers from shard 0 (into :attr:`buffers`)."""
         if self._dead:
             self._reconnect_dead()
-        refs = [s.fetch.remote() for s in self.shards]
-        if buffers:
-            refs[0] = self.shards[0].fetch.remote(True)
+        refs = [s.fetch.remote(True) if buffers and i == 0 else s.fetch.remote()
+                for i, s in enumerate(self.shards)]
         try:
             replies = ray.get(refs)
         except ray.exceptions.RayActorError:
