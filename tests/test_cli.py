@@ -38,6 +38,9 @@ BAD = [
     (["--model", "lc", "--channels", "0"], "--channels must be an integer >= 1"),
     (["--grad-dtype", "int8"], "--grad-dtype 'int8' is unknown: choose one of float32"),
     (["--data-split", "random"], "--data-split 'random' is unknown: choose one of epoch, fixed"),
+    (["--average", "ema:1.5"], "--average 'ema:1.5' is not understood: pass ema:DECAY"),
+    (["--average", "polyak", "--algorithm", "sandblaster"],
+     "--average averages Downpour's dense shards only, not sandblaster"),
 ]
 
 

@@ -124,6 +124,14 @@ class TrainConfig:
     max_rejected: int = option(1000, section="downpour",
                                help="abort once the shards rejected more pushes (NaN/inf, "
                                     "bad shape)")
+    average: str | None = option(section="downpour", metavar="ema:DECAY|polyak[:K]",
+                                 help="keep an average of the parameters on the shards, "
+                                      "updated at every update: ema:DECAY (e.g. ema:0.999) or "
+                                      "polyak[:K] (uniform mean from update K); evaluations "
+                                      "score it and it is the final model (default: off)")
+    average_final: bool = option(True, section="downpour",
+                                 help="with --average: return and save the last parameters, "
+                                      "not the average (periodic evaluations still score it)")
     # sandblaster
     iterations: int = option(40, section="sandblaster", help="L-BFGS iterations at most")
     portions: int = option(0, section="sandblaster",
@@ -201,6 +209,7 @@ class TrainConfig:
             raise UserError(f"{flag('l2')} must be a finite number >= 0 (got {self.l2!r})")
         _at_least("warmstart_steps", self.warmstart_steps, 0)
         _at_least("max_rejected", self.max_rejected, 0)
+        self._check_average()
         _positive("lr", self.lr)
         _positive("eval_every_s", self.eval_every_s)
         if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
@@ -223,6 +232,16 @@ class TrainConfig:
                             "replica 0's steps, so pass a smaller value")
         _check_cuda_here(self)
         return self
+
+    def _check_average(self) -> None:
+        if self.average is None:
+            return
+        from distbelief.ps.average import parse_average
+
+        parse_average(self.average)
+        if self.algorithm != "downpour" or self.click_data:
+            raise UserError(f"--average averages Downpour's dense shards only, not "
+                            f"{'click data' if self.click_data else self.algorithm}: drop it")
 
     def resolve(self, *, command_line: bool = False) -> TrainConfig:
         """Fill every automatic default in place; the one place they are decided. Returns

@@ -101,8 +101,8 @@ class DownpourSGD(Trainer):
             if n:
                 pending[replicas.actors[i].run.remote(n)] = i
 
-        def evaluate() -> dict:  # also notices a dead shard and restarts it
-            return shards.retry(lambda: evaluator.evaluate(job, shards))
+        def evaluate(averaged: bool | None = None) -> dict:  # also revives a dead shard
+            return shards.retry(lambda: evaluator.evaluate(job, shards, averaged))
 
         for i in schedule.first(replicas.actors):
             submit(i)
@@ -152,7 +152,7 @@ class DownpourSGD(Trainer):
                                "run's replica_failed events")
         counters.update(replicas.finish())
         checkpoint()
-        final = evaluate()
+        final = evaluate(cfg.average is not None and cfg.average_final)
         stats = shards.retry(shards.stats)
         if all("dropped_by_shard" in c for c in counters.values()):
             job.log("push_accounting", exact=not replicas.restarted(),

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
 from torch import nn
 
@@ -29,6 +30,8 @@ from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.host import HostFactory
 from distbelief.job import Job, TrainResult, actor_name
 from distbelief.modelpar.host import PartitionedHost
+from distbelief.ps.average import parse_average
+from distbelief.ps.buffers import BufferAverage, BufferPlan
 from distbelief.ps.client import PSClient
 from distbelief.ps.group import ShardGroup, ShardSet
 from distbelief.ps.host import FlatHost
@@ -62,6 +65,7 @@ class Trainer:
         self.model = model
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.plan = ShardPlan.build(parameter_shapes(model), self.cfg.shards)
+        self.buffer_plan = BufferPlan.of(model)  # buffers kept on shard 0 (ps/buffers.py)
         self.run_id = uuid.uuid4().hex[:8]
         self.restored: tuple[dict, list] | None = None  # the resumed checkpoint
         self._partition_plan = None  # the model-parallel plan (partitions > 1)
@@ -134,9 +138,15 @@ class Trainer:
             restored = [{"arrays": a, "version": e["version"], "counters": e.get("counters")}
                         for a, e in zip(parts, manifest["shards"])]
 
+        buffers = None
+        if self.buffer_plan:
+            buffers = BufferAverage(*self.buffer_plan.read(self.model), cfg.replicas)
+        average = parse_average(cfg.average) if cfg.average else None
+
         def spawn(i: int, restore_point: dict | None):
             return job.actor(ParameterShard, "shard", i, i, initial[i], cfg.optimizer,
-                             cfg.lr, cfg.momentum, restore_point)
+                             cfg.lr, cfg.momentum, restore_point,
+                             buffers=buffers if i == 0 else None, average=average)
 
         def read(run_dir: Path, number: int, i: int) -> dict:
             return load_shard(run_dir, number, i, plan, self._state_names())
@@ -158,14 +168,14 @@ class Trainer:
 
     def _evaluator(self, test) -> Evaluator:
         """The driver's copy of the model, scoring ``test`` (None: no test set)."""
-        return Evaluator(self.model, self.loss_fn, self.plan, test)
+        return Evaluator(self.model, self.loss_fn, self.plan, test, average=self.cfg.average)
 
     def _result(self, evaluator: Evaluator, shards: ShardSet, final: dict, updates: int,
                 shard_stats: list[dict], counters: dict) -> TrainResult:
-        """The run's result (the model holds the final parameters, fetched by ``final``'s
-        evaluation); the run folder gets params.safetensors and plot.png."""
-        return self.job.finish(evaluator.flat.named_arrays(self.plan), final, updates,
-                               shard_stats, counters)
+        """The run's result (the model holds the final parameters and buffers, fetched by
+        ``final``'s evaluation); the run folder gets params.safetensors (both) and plot.png."""
+        params = evaluator.flat.named_arrays(self.plan) | evaluator.named_buffers()
+        return self.job.finish(params, final, updates, shard_stats, counters)
 
 
 @contextmanager
@@ -191,36 +201,70 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 class Evaluator:
     """The driver's copy of the model, loaded from the shards to score the test set.
 
-    ``subset``: the test examples a periodic evaluation scores (None: all).
+    ``subset``: the test examples a periodic evaluation scores (None: all); ``average``:
+    the shards keep this ``--average`` of the parameters, which evaluations score unless
+    told otherwise. The model is scored in ``eval()`` mode under ``no_grad``, with the
+    buffers shard 0 holds, so test data changes no state.
     """
 
     def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test,
-                 subset: int | None = None) -> None:
+                 subset: int | None = None, average: str | None = None) -> None:
         self.flat = FlatModel(model, plan)
         self.plan = plan
+        self.average = average
+        self.buffer_plan = BufferPlan.of(model)
         self.loss_fn = loss_fn
         self.test = None if test is None else tuple(torch.from_numpy(a) for a in test)
         self.subset = subset
 
-    def evaluate(self, job: Job, shards: ShardSet) -> dict:
-        """Load the shards' current parameters, score them, log an ``eval`` event; the
-        scores."""
-        versions = PSClient(shards.handles(), self.plan).fetch_into(self.flat.flat_np)
+    def evaluate(self, job: Job, shards: ShardSet, averaged: bool | None = None) -> dict:
+        """Load the shards' current parameters (their average if ``averaged``, by default
+        whenever one is kept) and buffers, score them, log an ``eval`` event (its
+        ``evaluated`` says which, when an average is kept); the scores."""
+        averaged = self.average is not None if averaged is None else averaged
+        versions = self.load(shards, averaged)
         scores = self.score(shards, self.subset)
         fields = {} if self.subset is None else {"subset": self.subset}
+        if self.average is not None:
+            fields["evaluated"] = str(parse_average(self.average)) if averaged else "last"
         job.log("eval", updates=sum(versions), versions=versions, elapsed_s=job.elapsed_s(),
                 **fields, **scores)
         job.evaluated(scores)
         return scores
 
+    def load(self, shards: ShardSet, averaged: bool = False) -> list[int]:
+        """Load the shards' parameters (their ``--average`` if ``averaged``) and shard 0's
+        buffers into the model; the shard versions."""
+        client = PSClient(shards.handles(), self.plan)
+        if averaged:
+            versions = client.fetch_average_into(self.flat.flat_np)
+        else:
+            versions = client.fetch_into(self.flat.flat_np)
+        if self.buffer_plan:
+            served = ray.get(shards.handles()[0].fetch_buffers.remote())
+            if served is not None:
+                self.buffer_plan.write(self.flat.model, *served)
+        return versions
+
+    def named_buffers(self) -> dict[str, np.ndarray]:
+        """The model's travelling buffers by name (what params.safetensors holds besides the
+        parameters)."""
+        return self.buffer_plan.named(self.flat.model)
+
     @torch.no_grad()
     def score(self, shards: ShardSet, limit: int | None = None) -> dict:
         """Test loss (and accuracy, for a classifier) of the loaded parameters on the first
-        ``limit`` test examples (None: all)."""
+        ``limit`` test examples (None: all), in ``eval()`` mode (the mode is restored)."""
         if self.test is None:
             return {}
         x, y = (a[:limit] for a in self.test)
-        out = self.flat.model(x)
+        model = self.flat.model
+        training = model.training
+        model.eval()
+        try:
+            out = model(x)
+        finally:
+            model.train(training)
         scores = {"test_loss": float(self.loss_fn(out, y))}
         if out.ndim == 2 and not y.is_floating_point():
             scores["test_accuracy"] = float((out.argmax(1) == y).float().mean())

@@ -63,34 +63,50 @@ class PSClient:
         self.retried = 0
         self.reconnects = 0
         self._dead: set[int] = set()  # shards whose restart this client has yet to reach
+        self.buffers: tuple | None = None  # the model buffers shard 0 sent with a fetch
 
-    def fetch_into(self, flat: np.ndarray) -> list[int]:
-        """Overwrite ``flat`` (shape ``(numel,)``) with every shard's slice; returns versions."""
+    def fetch_average_into(self, flat: np.ndarray) -> list[int]:
+        """Overwrite ``flat`` with every shard's averaged slice (``--average``); versions."""
+        replies = ray.get([s.fetch_average.remote() for s in self.shards])
+        for lo, hi, (_, part) in zip(self.plan.bounds, self.plan.bounds[1:], replies):
+            flat[lo:hi] = part
+        return [v for v, _ in replies]
+
+    def fetch_into(self, flat: np.ndarray, buffers: bool = False) -> list[int]:
+        """Overwrite ``flat`` (shape ``(numel,)``) with every shard's slice; returns versions.
+        ``buffers``: also get the model's buffers from shard 0 (into :attr:`buffers`)."""
         if self._dead:
             self._reconnect_dead()
-        refs = [s.fetch.remote() for s in self.shards]
+        refs = [s.fetch.remote(True) if buffers and i == 0 else s.fetch.remote()
+                for i, s in enumerate(self.shards)]
         try:
             replies = ray.get(refs)
         except ray.exceptions.RayActorError:
             if self.names is None:
                 raise
-            replies = self._refetch(refs)
+            replies = self._refetch(refs, buffers=buffers)
         bounds = self.plan.bounds
-        for lo, hi, (_, part) in zip(bounds, bounds[1:], replies):
-            flat[lo:hi] = part
-        self.versions = [v for v, _ in replies]
+        for lo, hi, reply in zip(bounds, bounds[1:], replies):
+            flat[lo:hi] = reply[1]
+        self.versions = [reply[0] for reply in replies]
+        if buffers:
+            self.buffers = replies[0][2]
         self.fetches += 1
         return self.versions
 
-    def push(self, flat_grad: np.ndarray) -> None:
+    def push(self, flat_grad: np.ndarray, buffers: tuple | None = None) -> None:
         """Send each shard its slice of ``flat_grad`` (float32, shape ``(numel,)``).
 
         The gradient is encoded as ``grad_dtype`` and copied into Ray's object store here
         (an explicit ``ray.put`` costs less than a large array argument), so the caller may
         overwrite ``flat_grad`` at once: one object that every shard reads its part of when
         all shards share a node, else one object per shard. Blocks only while
-        ``max_in_flight`` earlier pushes are still being applied.
+        ``max_in_flight`` earlier pushes are still being applied. ``buffers`` (a buffer
+        report, see :mod:`distbelief.ps.buffers`) goes to shard 0 with its part.
         """
+        more = [{} for _ in self.shards]
+        if buffers is not None:
+            more[0] = {"buffers": buffers}
         self._drain(self.max_in_flight - 1)
         if self._dead:
             self._reconnect_dead()
@@ -101,24 +117,27 @@ class PSClient:
         if self._one_node and flat_grad.nbytes > INLINE_BYTES:
             whole = ray.put(encode(flat_grad, self.grad_dtype))
             self._in_flight.append([
-                shard.push_part.remote(whole, lo, version, self.replica)
-                for shard, lo, version in zip(self.shards, bounds, self.versions)])
+                shard.push_part.remote(whole, lo, version, self.replica, **kw)
+                for shard, lo, version, kw in zip(self.shards, bounds, self.versions, more)])
             self.pushes += 1
             return
-        for shard, lo, hi, version in zip(self.shards, bounds, bounds[1:], self.versions):
+        for shard, lo, hi, version, kw in zip(self.shards, bounds, bounds[1:], self.versions,
+                                              more):
             part = encode(flat_grad[lo:hi], self.grad_dtype)
             if part.nbytes > INLINE_BYTES:
                 part = ray.put(part)
-            refs.append(shard.push.remote(part, version, self.replica))
+            refs.append(shard.push.remote(part, version, self.replica, **kw))
         self._in_flight.append(refs)
         self.pushes += 1
 
-    def push_fetch_into(self, flat_grad: np.ndarray, flat: np.ndarray) -> list[int]:
+    def push_fetch_into(self, flat_grad: np.ndarray, flat: np.ndarray,
+                        buffers: tuple | None = None) -> list[int]:
         """:meth:`push` of ``flat_grad``, then :meth:`fetch_into` ``flat``, with one call per
         shard instead of two (each shard applies the push, then answers with its slice).
         Waits for it, as a fetch does; returns the versions. A shard that died is handled
         as by the two calls: its push dropped and counted, its fetch retried after its
-        restart (with ``names``)."""
+        restart (with ``names``). With a ``buffers`` report shard 0 also sends its buffers
+        back (into :attr:`buffers`)."""
         self._drain(0)
         if self._dead:
             self._reconnect_dead()
@@ -128,11 +147,12 @@ class PSClient:
             part = encode(flat_grad[lo:hi], self.grad_dtype)
             if part.nbytes > INLINE_BYTES:
                 part = ray.put(part)
-            refs.append(shard.push_fetch.remote(part, version, self.replica))
+            kw = {"buffers": buffers} if buffers is not None and not refs else {}
+            refs.append(shard.push_fetch.remote(part, version, self.replica, **kw))
         self.pushes += 1
         for s, (ref, lo, hi) in enumerate(zip(refs, bounds, bounds[1:])):
             try:
-                applied, version, part = ray.get(ref)
+                applied, version, part, *served = ray.get(ref)
                 self.rejected += not applied
             except ray.exceptions.RayActorError:
                 if self.names is None:
@@ -141,8 +161,12 @@ class PSClient:
                 self.dropped_by_shard[s] += 1
                 self._reconnect(s)
                 self.retried += 1
-                [(version, part)] = self._refetch([self.shards[s].fetch.remote()], [s])
+                want = buffers is not None and s == 0
+                [(version, part, *served)] = self._refetch(
+                    [self.shards[s].fetch.remote(want)], [s], buffers=want)
             flat[lo:hi] = part
+            if served:
+                self.buffers = served[0]
             self.versions[s] = version
         self.fetches += 1
         return self.versions
@@ -249,9 +273,10 @@ class PSClient:
                 self._dead.add(s)
         return out
 
-    def _refetch(self, refs: list[ray.ObjectRef], shards: Sequence[int] | None = None) -> list:
+    def _refetch(self, refs: list[ray.ObjectRef], shards: Sequence[int] | None = None,
+                 buffers: bool = False) -> list:
         """Each shard's fetch reply (``refs`` from ``shards``, default all in order),
-        reconnecting to and re-asking any shard that died."""
+        reconnecting to and re-asking any shard that died (shard 0 with ``buffers``)."""
         replies = []
         for s, ref in zip(range(len(refs)) if shards is None else shards, refs):
             for _ in range(FETCH_TRIES):
@@ -261,7 +286,7 @@ class PSClient:
                 except ray.exceptions.RayActorError:
                     self._reconnect(s)
                     self.retried += 1
-                    ref = self.shards[s].fetch.remote()
+                    ref = self.shards[s].fetch.remote(buffers and s == 0)
             else:
                 raise ShardUnavailable(f"shard {s} died {FETCH_TRIES} times during one fetch")
         return replies

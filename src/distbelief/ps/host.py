@@ -16,6 +16,7 @@ from torch import nn
 from distbelief.devices import DeviceBuffers, replica_device
 from distbelief.flat import FlatModel
 from distbelief.host import LossOf
+from distbelief.ps.buffers import BufferPlan, BufferReporter
 from distbelief.ps.client import INLINE_BYTES, PSClient
 from distbelief.ps.plan import ShardPlan
 
@@ -29,7 +30,9 @@ class FlatHost:
     back in the same call per shard. ``device`` (cpu, cuda, auto: see
     :func:`~distbelief.devices.replica_device`) is where the model and gradients live; off
     CPU (or with ``staged``, which tests use on CPU), parameters and gradients pass through
-    reusable host buffers (:class:`DeviceBuffers`).
+    reusable host buffers (:class:`DeviceBuffers`). A model with buffers (BatchNorm
+    statistics) reports them to shard 0 with each push and loads shard 0's with each fetch
+    (:mod:`distbelief.ps.buffers`); without buffers the calls are exactly as before.
     """
 
     event_fields: dict = {}
@@ -41,8 +44,10 @@ class FlatHost:
         self.flat = FlatModel(model, plan, self.device)
         if staged is None:
             staged = self.device.type != "cpu"
-        self.buffers = DeviceBuffers(self.flat.flat) if staged else None
-        self._params_np = self.flat.flat_np if self.buffers is None else self.buffers.params_np
+        self.staging = DeviceBuffers(self.flat.flat) if staged else None
+        buffers = BufferPlan.of(model)
+        self.buffers = BufferReporter(buffers, self.flat.model) if buffers else None
+        self._params_np = self.flat.flat_np if self.staging is None else self.staging.params_np
         self.client = PSClient(shards, plan, replica=replica, names=names,
                                grad_dtype=grad_dtype)
         self.plan, self.fuse, self.replica = plan, fuse, replica
@@ -57,10 +62,15 @@ class FlatHost:
         if self._fetched_early:  # the last push brought this step's parameters back
             self._fetched_early = False
         else:
-            self.client.fetch_into(self._params_np)
-        if self.buffers is not None:
-            self.buffers.params_to_device()
+            self.client.fetch_into(self._params_np, buffers=self.buffers is not None)
+            self._load_buffers()
+        if self.staging is not None:
+            self.staging.params_to_device()
         return {}
+
+    def _load_buffers(self) -> None:
+        if self.buffers is not None:
+            self.buffers.load(self.client.buffers)
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         self.flat.zero_grad()
@@ -91,17 +101,19 @@ class FlatHost:
         fetch (see :meth:`PSClient.push_fetch_into`) where ``fetch_next`` and it is small;
         otherwise it overlaps the next step."""
         grad = self.accrued if self.accrued is not None else self.flat.grad
+        report = None if self.buffers is None else self.buffers.report()
         if self.fuse and fetch_next and grad.numel() * 4 <= INLINE_BYTES:
-            self.client.push_fetch_into(self._host_np(grad), self._params_np)
+            self.client.push_fetch_into(self._host_np(grad), self._params_np, buffers=report)
+            self._load_buffers()
             self._fetched_early = True
         else:
-            self.client.push(self._host_np(grad))
+            self.client.push(self._host_np(grad), buffers=report)
         if self.accrued is not None:
             self.accrued.zero_()
 
     def _host_np(self, t: torch.Tensor) -> np.ndarray:
         """``t`` (flat, float32) as NumPy on the host: a view on CPU, else the host buffer."""
-        return t.numpy() if self.buffers is None else self.buffers.grad_to_host(t)
+        return t.numpy() if self.staging is None else self.staging.grad_to_host(t)
 
     def apply_local(self, lr: float) -> None:
         """Plain SGD at ``lr`` with this step's gradient."""
@@ -128,7 +140,7 @@ class FlatHost:
 
     def _device_field(self) -> dict:
         """``{"device": "cuda:0"}`` off CPU (nothing on CPU, so CPU counters are unchanged)."""
-        return {} if self.buffers is None else {"device": str(self.device)}
+        return {} if self.staging is None else {"device": str(self.device)}
 
     def partitions(self) -> list:
         return []
@@ -137,8 +149,8 @@ class FlatHost:
 
     def load_vector(self, name: str) -> None:
         self.client.fetch_vector_into(name, self._params_np)
-        if self.buffers is not None:
-            self.buffers.params_to_device()
+        if self.staging is not None:
+            self.staging.params_to_device()
         self.pending = {}
         self.batch_sum = torch.zeros_like(self.flat.grad)
 

@@ -19,15 +19,31 @@ class PushFetch(ShardSlice):
         super().__init__(shard_id, init, rule)
         self._wide: np.ndarray | None = None  # float32 scratch for 16-bit pushes
 
-    def fetch(self) -> tuple[int, np.ndarray]:
-        """Current version and a read-only view of the slice (callers must copy to keep it)."""
+    def fetch(self, buffers: bool = False) -> tuple:
+        """Current version and a read-only view of the slice (callers must copy to keep it);
+        with ``buffers`` also the model's buffers this shard holds (None if it holds none)."""
         self.fetches += 1
         view = self.params.view()
         view.flags.writeable = False
+        if buffers:
+            return self.version, view, None if self.buffers is None else self.buffers.served()
         return self.version, view
 
-    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
+    def fetch_buffers(self) -> tuple | None:
+        """The model's buffers this shard holds (statistics, counts), or None."""
+        return None if self.buffers is None else self.buffers.served()
+
+    def fetch_average(self) -> tuple[int, np.ndarray]:
+        """Current version and a copy of the averaged slice (``--average``; the slice itself
+        when no average is kept)."""
+        values = self.params if self.average is None else self.average.values
+        return self.version, values.copy()
+
+    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
+             buffers: tuple | None = None) -> bool:
         """Apply ``grad`` unless it is malformed; returns whether it was applied.
+        ``buffers``: the replica's buffer report (statistics, count deltas), folded into the
+        buffers this shard holds along with an applied push.
 
         ``grad`` is float32 or a 16-bit wire format of :mod:`distbelief.ps.codec`, widened
         to float32 here (parameters and rule state stay float32). A rejected push changes
@@ -47,18 +63,20 @@ class PushFetch(ShardSlice):
         self.rule.apply(self.params, grad, self.state)
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
+        self.applied(buffers)
         return True
 
-    def push_fetch(self, grad: np.ndarray, fetched_version: int, replica: int = -1
-                   ) -> tuple[bool, int, np.ndarray]:
+    def push_fetch(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
+                   buffers: tuple | None = None) -> tuple:
         """:meth:`push`, then :meth:`fetch`, in one call: whether ``grad`` was applied, and
         the version and slice after it (one round trip where a replica pushes at the end of
-        a step and fetches at the start of the next)."""
-        applied = self.push(grad, fetched_version, replica)
-        return (applied, *self.fetch())
+        a step and fetches at the start of the next); with ``buffers`` (a report) also the
+        buffers after it."""
+        applied = self.push(grad, fetched_version, replica, buffers)
+        return (applied, *self.fetch(buffers is not None))
 
     def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
-                  replica: int = -1) -> bool:
+                  replica: int = -1, buffers: tuple | None = None) -> bool:
         """:meth:`push` of ``grad[lo : lo + size]`` (a 1-D array covering several shards).
 
         A client puts one gradient in the object store for all shards on a node and each
@@ -66,7 +84,7 @@ class PushFetch(ShardSlice):
         """
         if isinstance(grad, np.ndarray) and grad.ndim == 1:
             grad = grad[lo: lo + self.params.size]
-        return self.push(grad, fetched_version, replica)
+        return self.push(grad, fetched_version, replica, buffers)
 
     def fetch_ranges(self, ranges: list[tuple[int, int]]) -> tuple[int, np.ndarray]:
         """Current version and the concatenated values of ``ranges`` (a copy)."""
@@ -95,4 +113,5 @@ class PushFetch(ShardSlice):
             self.state[k][index] = v
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
+        self.applied()
         return True

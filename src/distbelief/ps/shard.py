@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import ray
 
+from distbelief.ps.average import AverageSpec
+from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.optim import make_rule
 from distbelief.ps.pushfetch import PushFetch
 from distbelief.ps.vectors import VectorStore
@@ -28,8 +30,11 @@ class ParameterShard(ShardCore):
     """Ray actor holding one shard: every :class:`ShardCore` method is a remote method."""
 
     def __init__(self, shard_id: int, init: np.ndarray, optimizer: str, lr: float,
-                 momentum: float = 0.9, restored: dict | None = None) -> None:
+                 momentum: float = 0.9, restored: dict | None = None,
+                 buffers: BufferAverage | None = None, average: AverageSpec | None = None
+                 ) -> None:
         super().__init__(shard_id, init, make_rule(optimizer, lr, momentum))
+        self.keep_extras(buffers, average)
         if restored is not None:
             self.restore(restored["arrays"], restored["version"], restored.get("counters"))
 

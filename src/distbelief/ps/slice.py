@@ -16,6 +16,8 @@ from collections import Counter
 import numpy as np
 
 from distbelief.checkpoint import save_arrays
+from distbelief.ps.average import AverageSpec, ParamAverage
+from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.codec import all_finite
 from distbelief.ps.optim import SGD
 
@@ -39,6 +41,24 @@ class ShardSlice:
         self.rejected: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
         self.pushes_by_replica: Counter[int] = Counter()
+        self.buffers: BufferAverage | None = None  # the model's buffers (shard 0 only)
+        self.average: ParamAverage | None = None  # --average
+        self.buffer_reports = 0
+
+    def keep_extras(self, buffers: BufferAverage | None, average: AverageSpec | None) -> None:
+        """Hold the model's buffers (``buffers``: shard 0 of a model that has some) and keep
+        an average of the slice over updates (``average``: ``--average``)."""
+        self.buffers = buffers
+        self.average = None if average is None else ParamAverage(average, self.params)
+
+    def applied(self, report: object = None) -> None:
+        """After an update: fold it into the average, and a replica's buffer ``report``
+        (statistics, count deltas) into the buffers if it is well formed."""
+        if self.average is not None:
+            self.average.update(self.params)
+        if report is not None and self.buffers is not None and self.buffers.check(report):
+            self.buffers.report(*report)
+            self.buffer_reports += 1
 
     def check(self, grad: object) -> str | None:
         """Why ``grad`` may not be applied to the whole slice, or None if it may."""
@@ -98,7 +118,10 @@ class ShardSlice:
 
     def _saved_arrays(self, vectors: tuple[str, ...]) -> dict[str, np.ndarray]:
         """What :meth:`save` writes: the slice and rule state (a protocol may add arrays)."""
-        return {"params": self.params, **self.state}
+        extras = {} if self.buffers is None else self.buffers.arrays()
+        if self.average is not None:
+            extras |= self.average.arrays()
+        return {"params": self.params, **self.state, **extras}
 
     def restore(self, arrays: dict[str, np.ndarray], version: int,
                 counters: dict | None = None) -> None:
@@ -108,6 +131,10 @@ class ShardSlice:
         for name in self.state:
             np.copyto(self.state[name], arrays[name])
         self.version = int(version)
+        if self.buffers is not None:
+            self.buffers.restore(arrays)
+        if self.average is not None:
+            self.average.restore(arrays, self.params)
         if counters:
             self.fetches = int(counters.get("fetches", 0))
             self.rejected = Counter(counters.get("rejected", {}))
@@ -128,4 +155,5 @@ class ShardSlice:
             "rejected_total": sum(self.rejected.values()),
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "pushes_by_replica": {str(k): v for k, v in sorted(self.pushes_by_replica.items())},
+            "buffer_reports": self.buffer_reports,
         }
