@@ -22,7 +22,7 @@ from distbelief.config import TrainConfig
 from distbelief.errors import UserError
 from distbelief.job import Cadence
 from distbelief.ps.group import ShardSet
-from distbelief.replica import DownpourReplica
+from distbelief.replica import DATA_COUNTERS, DownpourReplica
 from distbelief.segments import Replicas, SegmentSchedule, Start
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
@@ -47,10 +47,12 @@ class DownpourSGD(Trainer):
         self.resumed_steps: dict[int, int] = {}  # steps each replica had done at the resume
 
     def replica_starter(self, shards: ShardSet, blueprint: nn.Module, x_ref: ray.ObjectRef,
-                        y_ref: ray.ObjectRef) -> Start:
+                        y_ref: ray.ObjectRef | None) -> Start:
         """Where a Downpour run builds its replicas: ``start(i, step)`` starts replica i's
         actor at ``step`` over a parameter host (:meth:`Trainer._host`) holding a pristine
-        copy of ``blueprint`` and the shards' current handles."""
+        copy of ``blueprint`` and the shards' current handles. ``x_ref``/``y_ref``: the
+        training arrays in the object store, or a data source and None (each replica reads
+        its own rows, see :class:`~distbelief.replica.ReplicaLoop`)."""
         cfg = self.cfg
 
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
@@ -72,7 +74,8 @@ class DownpourSGD(Trainer):
         blueprint = copy.deepcopy(self.model)  # replicas get pristine copies of this
         evaluator = self._evaluator(test)
         shards = self._start_shards(self.plan.split_flat(evaluator.flat.flat_np))
-        start = self.replica_starter(shards, blueprint, ray.put(x), ray.put(y))
+        shipped = (ray.put(x), ray.put(y)) if y is not None else (x, None)
+        start = self.replica_starter(shards, blueprint, *shipped)
         steps = {i: self.resumed_steps.get(i, 0) for i in range(self.cfg.replicas)}
         replicas = Replicas(self.job, start, steps, MAX_RESTARTS)
         try:
@@ -148,7 +151,9 @@ class DownpourSGD(Trainer):
         if not replicas.actors:
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
-        counters.update(replicas.finish())
+        for i, final_counters in replicas.finish().items():  # keep where each read its data
+            data = {k: v for k, v in counters.get(i, {}).items() if k in DATA_COUNTERS}
+            counters[i] = {**data, **final_counters}
         checkpoint()
         final = evaluate()
         stats = shards.retry(shards.stats)
