@@ -52,6 +52,19 @@ def test_a_user_factory_file_trains_from_the_command_line(tmp_path):
     assert '"model_args": [' in (tmp_path / "run" / "config.json").read_text()
 
 
+def test_a_data_folder_trains_from_the_command_line(tmp_path):
+    made = subprocess.run([sys.executable, "-m", "distbelief.ondisk", "digits", "data",
+                           "--rows-per-file", "500"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "distbelief.cli", "train", "--dataset", "data", "--replicas",
+         "2", "--shards", "1", "--steps", "100", "--num-cpus", "2", "--run-dir", "run",
+         "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final_accuracy(proc.stdout) > 0.85  # scored on the folder's test split
+
+
 @pytest.fixture(scope="module")
 def digits():
     return data.digits()
