@@ -33,10 +33,10 @@ def test_replicas_on_the_second_node_read_their_rows_from_the_data_folder(two_no
                           address=cluster.address, run_dir=tmp_path / "run")
     result = trainer.fit(ondisk.DiskRows(folder), None, ondisk.DiskRows(folder, "test"))
     assert result.test_accuracy > 0.85
-    counters = result.replica_counters
-    assert {c["data_source"] for c in counters.values()} == {"DiskRows"}
-    on_second = [i for i, c in counters.items() if c["node"] == second]
-    assert on_second, counters  # SPREAD placed a replica there; it read DiskRows itself
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    read = [e for e in events if e["event"] == "replica_data"]
+    assert len(read) == 2 and {e["data_source"] for e in read} == {"DiskRows"}
+    on_second = [e["replica"] for e in read if e["node"] == second]
+    assert on_second, read  # SPREAD placed a replica there; it read DiskRows itself
     placement = next(e for e in events if e["event"] == "placement")
     assert second in placement["replicas"]

@@ -96,6 +96,7 @@ class DownpourSGD(Trainer):
                                    {i: self.resumed_steps.get(i, 0) for i in replicas.actors})
         counters: dict[int, dict] = {}
         pending: dict[ray.ObjectRef, int] = {}
+        data_read: dict[int, dict] = {}  # each replica's DATA_COUNTERS, from its last reply
 
         def submit(i: int) -> None:
             n = schedule.segment(i)
@@ -136,6 +137,7 @@ class DownpourSGD(Trainer):
                         continue
                     for e in reply["events"]:
                         job.log("step", **e)
+                    data_read[i] = {k: reply.pop(k) for k in DATA_COUNTERS if k in reply}
                     counters[i] = {k: v for k, v in reply.items() if k not in ("events", "step")}
                     nxt, warm_ended = schedule.returned(i, reply["step"], replicas.actors)
                     job.tick(len(reply["events"]), reply["events"][-1]["loss"])
@@ -151,9 +153,9 @@ class DownpourSGD(Trainer):
         if not replicas.actors:
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
-        for i, final_counters in replicas.finish().items():  # keep where each read its data
-            data = {k: v for k, v in counters.get(i, {}).items() if k in DATA_COUNTERS}
-            counters[i] = {**data, **final_counters}
+        counters.update(replicas.finish())
+        for i, read in sorted(data_read.items()):  # where each replica read its rows
+            job.log("replica_data", replica=i, **read)
         checkpoint()
         final = evaluate()
         stats = shards.retry(shards.stats)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from distbelief.errors import UserError
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.host import HostFactory
 from distbelief.job import Job, TrainResult, actor_name
+from distbelief.limits import Resources, check_cpus
 from distbelief.modelpar.host import PartitionedHost
 from distbelief.ps.client import PSClient
 from distbelief.ps.group import ShardGroup, ShardSet
@@ -111,6 +113,10 @@ class Trainer:
                                 "map-style Dataset, not a stream factory")
             self._partition_plan = plan_partitions(self.model, cfg.partitions,
                                                    cfg.partition_by, tuple(shape))
+        if cfg.address is None:  # an embedded run: replica processes against the cores
+            warning = check_cpus(cfg.replicas, cfg.partitions, cfg.shards, Resources.local())
+            if warning:
+                print(warning, file=sys.stderr)
         in_memory = x_train if y_train is not None else np.empty(0, np.float32)
         self.restored = None
         if cfg.resume:

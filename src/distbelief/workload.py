@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,14 +49,10 @@ def resources(cfg: TrainConfig) -> limits.Resources:
 
 
 def check_resources(cfg: TrainConfig, res: limits.Resources) -> None:
-    """The run folder, the CPUs (a warning on stderr when replicas outnumber the cores;
-    skipped on a cluster, whose CPUs Ray places) and an in-memory data set's size."""
+    """The run folder and an in-memory data set's size (the CPUs are checked by
+    ``Trainer.fit``, once the model's partition plan is known)."""
     if cfg.run_dir is not None:
         limits.check_run_dir(cfg.run_dir)
-    if cfg.address is None:
-        warning = limits.check_cpus(cfg.replicas, cfg.partitions, cfg.shards, res)
-        if warning:
-            print(warning, file=sys.stderr)
     if cfg.dataset == "synthetic":
         limits.check_synthetic(cfg.samples, cfg.features, res)
     elif cfg.dataset.endswith(".npz") and os.path.isfile(cfg.dataset):
