@@ -23,7 +23,7 @@ BAD = [
     (["--lr", "-0.1"], "--lr must be a finite number > 0"),
     (["--lr", "nan"], "--lr must be a finite number > 0"),
     (["--optimizer", "rmsprop"], "--optimizer 'rmsprop' is unknown: choose one of sgd"),
-    (["--dataset", "mnist"], "--dataset 'mnist' is unknown: choose one of digits"),
+    (["--dataset", "imagenet"], "--dataset 'imagenet' is unknown: choose one of digits"),
     (["--algorithm", "hogwild"], "--algorithm 'hogwild' is unknown"),
     (["--shards", "100000"], "--shards 100000 exceeds the model's 4810 parameter elements"),
     (["--address", "127.0.0.1:1"], "cannot reach a Ray cluster at 127.0.0.1:1"),
@@ -159,6 +159,8 @@ def sample(name: str) -> tuple[list[str], object]:
         return [flag(name)], not f.default
     if kind is dict:
         return [flag(name), "1:3", flag(name), "0:2.5"], {1: 3.0, 0: 2.5}
+    if kind is list:
+        return [flag(name), "a=1", flag(name), "b=x"], ["a=1", "b=x"]
     value = {int: 7, float: 0.25, str: "x"}[kind]
     if "choices" in f.metadata:
         value = f.metadata["choices"][-1]

@@ -119,13 +119,13 @@ def test_staged_host_trains_exactly_like_the_plain_cpu_host(fuse):
         shards = shard_set(plan, initial)
         host = FlatHost(models.mlp(8, 6, 3, seed=1), plan, shards, fuse=fuse, staged=staged)
         flat_ptr = host.flat.flat.data_ptr()
-        buffers = host.buffers
+        buffers = host.staging
         for x, y in batches:
             host.fetch()
             host.forward_backward(x, lambda out, y=y: torch.nn.functional.cross_entropy(out, y))
             host.end_step(True, None, True)
         counters = host.finish(False)
-        assert host.flat.flat.data_ptr() == flat_ptr and host.buffers is buffers
+        assert host.flat.flat.data_ptr() == flat_ptr and host.staging is buffers
         if staged:
             assert counters["device"] == "cpu"
             assert host._params_np is buffers.params_np  # fetches land in the host buffer

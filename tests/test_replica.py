@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from distbelief.config import TrainConfig
+from distbelief.data import ReplicaSampler
 from distbelief.replica import ReplicaLoop
 
 
@@ -65,7 +66,9 @@ def test_loop_hands_a_fetch_the_inputs_until_the_next_fetch():
     replica = loop()
     replica.run(3)
     [upcoming] = replica.host.upcoming
-    want = np.concatenate([replica.x_np[replica.sampler.batch(k)] for k in range(3)])
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)  # loop()'s data; replica 1 of 2
+    sampler = ReplicaSampler(20, 1, 2, batch_size=4, seed=0)
+    want = np.concatenate([x[sampler.batch(k)] for k in range(3)])
     np.testing.assert_array_equal(upcoming, want)
 
 

@@ -70,6 +70,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 parse = _pair(f.name, f.metadata["metavar"], f.metadata["example"])
                 group.add_argument(flag(f.name), type=parse, action="append",
                                    metavar=f.metadata["metavar"], **common)
+            elif kind is list:
+                group.add_argument(flag(f.name), action="append",
+                                   metavar=f.metadata["metavar"], **common)
             else:
                 choices = "|".join(f.metadata.get("choices", ()))
                 group.add_argument(flag(f.name), type=kind,
@@ -103,18 +106,17 @@ def config_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train(args: argparse.Namespace) -> int:
-    from distbelief import data, models
+    from distbelief import workload
 
     cfg = TrainConfig(**config_values(args)).validate(command_line=True)
+    res = workload.resources(cfg)
+    workload.check_resources(cfg, res)  # before anything heavy starts
     if cfg.click_data:  # click data: row-sparse embedding tables, a wide-and-deep model, AUC
         from distbelief.sparse.trainer import train_ctr
 
         return train_ctr(cfg, progress=args.progress)
-    ds = data.load(cfg.dataset, cfg.samples, cfg.features, cfg.classes, cfg.seed)
-    if cfg.model == "lc":
-        model = models.lc(ds.features, cfg.channels, ds.classes, cfg.seed)
-    else:
-        model = models.mlp(ds.features, cfg.hidden, ds.classes, cfg.seed)
+    ds = workload.load_data(cfg)
+    model = workload.build(cfg, ds.feature_shape, ds.classes, res)
     if cfg.algorithm == "sandblaster":
         from distbelief.sandblaster.trainer import SandblasterLBFGS as Algorithm
     else:

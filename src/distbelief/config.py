@@ -22,13 +22,13 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distbelief.devices import DEVICES, cuda_available
+from distbelief.devices import DEVICES, check_cuda_here, check_gpus
 from distbelief.errors import UserError
 
 ALGORITHMS = ("downpour", "sandblaster")
 OPTIMIZERS = ("sgd", "momentum", "adagrad")
-DATASETS = ("digits", "synthetic", "ctr")
-MODELS = ("mlp", "lc")
+DATASETS = ("digits", "mnist", "synthetic", "ctr")
+MODELS = ("mlp", "lc", "cnn")  # built-in; --model MODULE:CALLABLE names a user factory
 PARTITION_BY = ("auto", "space", "layers")
 GRAD_DTYPES = ("float32", "float16", "bfloat16")  # wire formats, see distbelief.ps.codec
 SPLITS = ("epoch", "fixed")  # how training rows are dealt to replicas, see data.ReplicaSampler
@@ -69,8 +69,10 @@ class TrainConfig:
 
     # data
     dataset: str = option("digits", section="data", choices=DATASETS,
-                          metavar="|".join(DATASETS) + "|FILE.npz",
-                          help="digits, synthetic, ctr (click data), or a .npz file's path")
+                          metavar="|".join(DATASETS) + "|FILE.npz|DIR",
+                          help="digits, mnist (5,000 real 28x28 digits, needs the data "
+                               "extra), synthetic, ctr (click data), a .npz file's path, or a "
+                               "data folder (python -m distbelief.ondisk writes one)")
     samples: int | None = option(section="data", auto=10000, ctr=2_000_000,
                                  help="synthetic, ctr: examples")
     features: int = option(32, section="data", help="synthetic: columns")
@@ -84,7 +86,14 @@ class TrainConfig:
                                   "rows (the paper's data shards)")
     # model
     model: str = option("mlp", section="model", choices=MODELS,
-                        help="mlp, or lc: two locally connected layers and a linear readout")
+                        metavar="|".join(MODELS) + "|MODULE:CALLABLE",
+                        help="mlp, lc (two locally connected layers and a linear readout), cnn "
+                             "(a small image CNN), or your factory MODULE:CALLABLE returning an "
+                             "nn.Module (MODULE: importable name or a .py file's path)")
+    model_args: list[str] = option(section="model", factory=list, flag="--model-arg",
+                                   metavar="KEY=VALUE",
+                                   help="a keyword argument of --model MODULE:CALLABLE "
+                                        "(repeatable; values are Python literals or text)")
     hidden: int = option(64, section="model",
                          help="hidden units of the MLP (0: softmax regression)")
     channels: int = option(8, section="model", help="lc: channels of each locally connected layer")
@@ -182,16 +191,18 @@ class TrainConfig:
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         _choice("algorithm", self.algorithm, ALGORITHMS)
-        if self.dataset not in DATASETS and not self.dataset.endswith(".npz"):
+        if self.dataset not in DATASETS and not self.dataset.endswith(".npz") \
+                and not (Path(self.dataset) / "meta.json").is_file():  # ondisk's data folder
             raise UserError(f"{flag('dataset')} {self.dataset!r} is unknown: choose one of "
-                            f"{', '.join(DATASETS)} or the path of a .npz file")
+                            f"{', '.join(DATASETS)}, the path of a .npz file, or a data folder "
+                            "holding a meta.json (python -m distbelief.ondisk writes one)")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
         _choice("data_split", self.data_split, SPLITS)
-        _choice("model", self.model, MODELS)
+        self._validate_model()
         _at_least("partitions", self.partitions, 1)
         _choice("partition_by", self.partition_by, PARTITION_BY)
-        _check_gpus(self)
+        check_gpus(self.device, self.gpus_per_replica, self.partitions, self.click_data)
         _at_least("channels", self.channels, 1)
         if self.dataset == "ctr" and self.algorithm != "downpour":
             raise UserError(f"--dataset ctr (sparse embedding tables) trains with --algorithm "
@@ -230,7 +241,7 @@ class TrainConfig:
             raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "
                             f"{flag('steps')} ({self.steps}): warm-start steps are part of "
                             "replica 0's steps, so pass a smaller value")
-        _check_cuda_here(self)
+        check_cuda_here(self.device, self.gpus_per_replica, self.address)
         return self
 
     def _check_average(self) -> None:
@@ -242,6 +253,20 @@ class TrainConfig:
         if self.algorithm != "downpour" or self.click_data:
             raise UserError(f"--average averages Downpour's dense shards only, not "
                             f"{'click data' if self.click_data else self.algorithm}: drop it")
+
+    def _validate_model(self) -> None:
+        """``--model`` is a built-in name or ``MODULE:CALLABLE``; ``--model-arg`` is
+        ``KEY=VALUE`` and only for a factory (imported later, by the CLI)."""
+        from distbelief.usermodel import is_factory_spec, parse_model_args
+
+        if self.model not in MODELS and not is_factory_spec(self.model):
+            raise UserError(f"{flag('model')} {self.model!r} is neither {', '.join(MODELS)} "
+                            "nor MODULE:CALLABLE: write e.g. --model mynets:build or "
+                            "--model ./net.py:build")
+        if self.model_args and self.model in MODELS:
+            raise UserError(f"--model-arg is for --model MODULE:CALLABLE, not the built-in "
+                            f"{self.model}: set it with --hidden or --channels instead")
+        parse_model_args(self.model_args)
 
     def resolve(self, *, command_line: bool = False) -> TrainConfig:
         """Fill every automatic default in place; the one place they are decided. Returns
@@ -322,7 +347,8 @@ def flag(name: str) -> str:
 
 @functools.cache
 def field_type(name: str) -> type:
-    """The value type of field ``name``: int, float, str, bool or dict (``None`` aside)."""
+    """The value type of field ``name``: int, float, str, bool, dict or list (``None``
+    aside)."""
     hint = typing.get_type_hints(TrainConfig)[name]
     if isinstance(hint, types.UnionType):  # ``int | None``
         hint = next(t for t in typing.get_args(hint) if t is not type(None))
@@ -345,6 +371,8 @@ def toml_value(value: typing.Any) -> str:
     """A TOML literal of a config value (str, bool, int, float, or a flat dict of them)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         items = ", ".join(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in value.items())
         return "{ " + items + " }" if items else "{}"
@@ -366,31 +394,3 @@ def _at_least(name: str, value: int, low: int) -> None:
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise UserError(f"{flag(name)} must be a finite number > 0 (got {value!r})")
-
-
-def _check_gpus(cfg: TrainConfig) -> None:
-    """``device`` and ``gpus_per_replica`` agree; GPU replicas only where they are built."""
-    _choice("device", cfg.device, DEVICES)
-    gpus = cfg.gpus_per_replica
-    if isinstance(gpus, bool) or not (isinstance(gpus, (int, float)) and math.isfinite(gpus)
-                                      and gpus >= 0):
-        raise UserError(f"{flag('gpus_per_replica')} must be a number >= 0 (got {gpus!r})")
-    if cfg.device == "cuda" and gpus == 0:
-        raise UserError("--device cuda needs GPUs from Ray: pass --gpus-per-replica (e.g. 1, "
-                        "or 0.5 for two replicas per GPU)")
-    if cfg.device == "cpu" and gpus > 0:
-        raise UserError(f"--gpus-per-replica {gpus} reserves GPUs that --device cpu does not "
-                        "use: pass --device cuda (or auto), or drop --gpus-per-replica")
-    if gpus > 0 and (cfg.partitions > 1 or cfg.click_data):
-        raise UserError("GPU replicas train dense models without --partitions: model "
-                        "partitions and click data (ctr) run on CPU, so drop --device and "
-                        "--gpus-per-replica")
-
-
-def _check_cuda_here(cfg: TrainConfig) -> None:
-    """Refuse GPUs on a local run whose torch has no CUDA (Ray would wait for them forever)."""
-    if cfg.gpus_per_replica > 0 and cfg.address is None and not cuda_available():
-        raise UserError(f"--device {cfg.device} --gpus-per-replica {cfg.gpus_per_replica}: "
-                        "this machine's torch has no CUDA (or no GPU) and no --address "
-                        "cluster was given: install a CUDA build of torch (see bench/gpu.sh), "
-                        "pass --address of a Ray cluster with GPUs, or use --device cpu")

@@ -74,6 +74,10 @@ def _typed(name: str, value: typing.Any, where: str) -> typing.Any:
             return {int(k): float(v) for k, v in value.items()}
         raise UserError(f"{where} must be a table of index = factor, e.g. {name} = "
                         "{ 0 = 4.0 }")
+    if kind is list:  # model_args: ["hidden=32", ...]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise UserError(f"{where} must be a list of strings, e.g. {name} = [\"hidden=32\"]")
     if not _is(value, kind):
         default = FIELDS[name].metadata.get("auto", FIELDS[name].default)
         example = default if default is not None else EXAMPLES[kind]

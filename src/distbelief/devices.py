@@ -10,8 +10,12 @@ shard client reads and writes, as before.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+
+from distbelief.errors import UserError
 
 DEVICES = ("cpu", "cuda", "auto")
 CPU = torch.device("cpu")
@@ -74,3 +78,31 @@ class DeviceBuffers:
         it is complete on return); its NumPy view."""
         self.host_grad.copy_(grad)
         return self.grad_np
+
+
+def check_gpus(device: str, gpus: float, partitions: int, click_data: bool) -> None:
+    """``--device`` and ``--gpus-per-replica`` agree; GPU replicas only where they are built."""
+    if device not in DEVICES:
+        raise UserError(f"--device {device!r} is unknown: choose one of {', '.join(DEVICES)}")
+    if isinstance(gpus, bool) or not (isinstance(gpus, (int, float)) and math.isfinite(gpus)
+                                      and gpus >= 0):
+        raise UserError(f"--gpus-per-replica must be a number >= 0 (got {gpus!r})")
+    if device == "cuda" and gpus == 0:
+        raise UserError("--device cuda needs GPUs from Ray: pass --gpus-per-replica (e.g. 1, "
+                        "or 0.5 for two replicas per GPU)")
+    if device == "cpu" and gpus > 0:
+        raise UserError(f"--gpus-per-replica {gpus} reserves GPUs that --device cpu does not "
+                        "use: pass --device cuda (or auto), or drop --gpus-per-replica")
+    if gpus > 0 and (partitions > 1 or click_data):
+        raise UserError("GPU replicas train dense models without --partitions: model "
+                        "partitions and click data (ctr) run on CPU, so drop --device and "
+                        "--gpus-per-replica")
+
+
+def check_cuda_here(device: str, gpus: float, address: str | None) -> None:
+    """Refuse GPUs on a local run whose torch has no CUDA (Ray would wait for them forever)."""
+    if gpus > 0 and address is None and not cuda_available():
+        raise UserError(f"--device {device} --gpus-per-replica {gpus}: "
+                        "this machine's torch has no CUDA (or no GPU) and no --address "
+                        "cluster was given: install a CUDA build of torch (see bench/gpu.sh), "
+                        "pass --address of a Ray cluster with GPUs, or use --device cpu")

@@ -23,7 +23,7 @@ from distbelief.devices import gpu_options
 from distbelief.errors import UserError
 from distbelief.job import Cadence
 from distbelief.ps.group import ShardSet
-from distbelief.replica import DownpourReplica
+from distbelief.replica import DATA_COUNTERS, DownpourReplica
 from distbelief.segments import Replicas, SegmentSchedule, Start
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
@@ -48,10 +48,12 @@ class DownpourSGD(Trainer):
         self.resumed_steps: dict[int, int] = {}  # steps each replica had done at the resume
 
     def replica_starter(self, shards: ShardSet, blueprint: nn.Module, x_ref: ray.ObjectRef,
-                        y_ref: ray.ObjectRef) -> Start:
+                        y_ref: ray.ObjectRef | None) -> Start:
         """Where a Downpour run builds its replicas: ``start(i, step)`` starts replica i's
         actor at ``step`` over a parameter host (:meth:`Trainer._host`) holding a pristine
-        copy of ``blueprint`` and the shards' current handles."""
+        copy of ``blueprint`` and the shards' current handles. ``x_ref``/``y_ref``: the
+        training arrays in the object store, or a data source and None (each replica reads
+        its own rows, see :class:`~distbelief.replica.ReplicaLoop`)."""
         cfg = self.cfg
 
         def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
@@ -74,7 +76,8 @@ class DownpourSGD(Trainer):
         blueprint = copy.deepcopy(self.model)  # replicas get pristine copies of this
         evaluator = self._evaluator(test)
         shards = self._start_shards(self.plan.split_flat(evaluator.flat.flat_np))
-        start = self.replica_starter(shards, blueprint, ray.put(x), ray.put(y))
+        shipped = (ray.put(x), ray.put(y)) if y is not None else (x, None)
+        start = self.replica_starter(shards, blueprint, *shipped)
         steps = {i: self.resumed_steps.get(i, 0) for i in range(self.cfg.replicas)}
         replicas = Replicas(self.job, start, steps, MAX_RESTARTS)
         try:
@@ -95,6 +98,7 @@ class DownpourSGD(Trainer):
                                    {i: self.resumed_steps.get(i, 0) for i in replicas.actors})
         counters: dict[int, dict] = {}
         pending: dict[ray.ObjectRef, int] = {}
+        data_read: dict[int, dict] = {}  # each replica's DATA_COUNTERS, from its last reply
 
         def submit(i: int) -> None:
             n = schedule.segment(i)
@@ -135,6 +139,7 @@ class DownpourSGD(Trainer):
                         continue
                     for e in reply["events"]:
                         job.log("step", **e)
+                    data_read[i] = {k: reply.pop(k) for k in DATA_COUNTERS if k in reply}
                     counters[i] = {k: v for k, v in reply.items() if k not in ("events", "step")}
                     nxt, warm_ended = schedule.returned(i, reply["step"], replicas.actors)
                     job.tick(len(reply["events"]), reply["events"][-1]["loss"])
@@ -151,6 +156,8 @@ class DownpourSGD(Trainer):
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
         counters.update(replicas.finish())
+        for i, read in sorted(data_read.items()):  # where each replica read its rows
+            job.log("replica_data", replica=i, **read)
         checkpoint()
         final = evaluate(cfg.average is not None and cfg.average_final)
         stats = shards.retry(shards.stats)

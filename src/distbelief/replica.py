@@ -9,7 +9,10 @@ parameters; what differs lives in the host (:mod:`distbelief.host`).
 
 from __future__ import annotations
 
+import resource
 import time
+from collections import deque
+from typing import Any
 
 import numpy as np
 import ray
@@ -18,9 +21,11 @@ from torch import nn
 
 from distbelief import cluster
 from distbelief.config import TrainConfig
-from distbelief.data import ReplicaSampler
 from distbelief.devices import CPU, on_device
 from distbelief.host import HostFactory
+from distbelief.sources import replica_batches, source_kind
+
+DATA_COUNTERS = ("data_source", "node", "rss_peak_bytes")  # see ReplicaLoop.data_counters
 
 
 class ReplicaLoop:
@@ -28,20 +33,23 @@ class ReplicaLoop:
     update between fetches, the straggler slow-down and the step events, over any host
     (plain Python; :data:`DownpourReplica` is the actor).
 
-    ``x`` and ``y`` are the whole training set (the sampler picks this replica's rows);
-    ``start_step`` is where a restarted replica resumes its schedule and data order.
+    ``x`` and ``y`` are the whole training set as arrays (the sampler picks this replica's
+    rows); or ``x`` is a data source and ``y`` None: a :class:`~distbelief.sources.Rows`
+    (a data folder's ``DiskRows``, a torch ``Dataset``), read through the same sampler, or a
+    stream factory (see :func:`~distbelief.sources.replica_batches`). ``start_step`` is
+    where a restarted replica resumes its schedule and data order.
     """
 
-    def __init__(self, index: int, host: HostFactory, loss_fn: nn.Module, x: np.ndarray,
-                 y: np.ndarray, cfg: TrainConfig, start_step: int = 0) -> None:
+    def __init__(self, index: int, host: HostFactory, loss_fn: nn.Module, x: Any,
+                 y: np.ndarray | None, cfg: TrainConfig, start_step: int = 0) -> None:
         torch.set_num_threads(1)
         self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
         self.host = host(replica=index)
         self.device = getattr(self.host, "device", CPU)  # batches go where the host computes
-        self.sampler = ReplicaSampler(len(x), index, cfg.replicas, cfg.batch_size, cfg.seed,
-                                      cfg.data_split)
-        self.x_np = np.asarray(x)
-        self.x, self.y = torch.from_numpy(self.x_np), torch.from_numpy(np.asarray(y))
+        self.source = source_kind(x, y)
+        self.batches = replica_batches(x, y, index, cfg.replicas, cfg.batch_size, cfg.seed,
+                                       cfg.data_split, start_step)
+        self.ahead: deque[tuple[np.ndarray, np.ndarray]] = deque()  # drawn by _upcoming
         self.step = start_step
         self.since_push = 0
         self.slow = float(cfg.slow_replicas.get(index, 1.0))
@@ -60,8 +68,8 @@ class ReplicaLoop:
             began = time.perf_counter()
             fetched = self.step % cfg.n_fetch == 0
             fields = self.host.fetch(self._upcoming) if fetched else self.host.event_fields
-            rows = torch.from_numpy(self.sampler.batch(self.step))
-            x, y = on_device(self.device, self.x[rows], self.y[rows])
+            x_np, y_np = self.ahead.popleft() if self.ahead else next(self.batches)
+            x, y = on_device(self.device, torch.from_numpy(x_np), torch.from_numpy(y_np))
             loss = self.host.forward_backward(x, lambda out, y=y: self.loss_fn(out, y))
             self.since_push += 1
             pushed = self.since_push == cfg.n_push
@@ -76,12 +84,21 @@ class ReplicaLoop:
                            "loss": loss, "versions": self.host.versions(),
                            "fetched": fetched, "pushed": pushed, **fields})
             self.step += 1
-        return {"events": events, "step": self.step, **self.host.after_run(events)}
+        return {"events": events, "step": self.step, **self.host.after_run(events),
+                **self.data_counters()}
 
     def _upcoming(self) -> np.ndarray:
-        """The inputs of the batches from this step until the next fetch."""
-        steps = range(self.step, self.step + self.cfg.n_fetch)
-        return self.x_np[np.concatenate([self.sampler.batch(k) for k in steps])]
+        """The inputs of the batches from this step until the next fetch (drawn ahead)."""
+        while len(self.ahead) < self.cfg.n_fetch:
+            self.ahead.append(next(self.batches))
+        return np.concatenate([x for x, _ in list(self.ahead)[: self.cfg.n_fetch]])
+
+    def data_counters(self) -> dict:
+        """Where this replica read its rows (``data_source``), on which node, and its
+        process's peak resident memory in bytes (``rss_peak_bytes``)."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KB
+        node = self.where() if ray.is_initialized() else None
+        return {"data_source": self.source, "node": node, "rss_peak_bytes": peak}
 
     def finish(self) -> dict:
         """Push what is still accrued and wait until every shard has applied it."""

@@ -17,6 +17,7 @@ Two kinds of source:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from itertools import count
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -144,3 +145,28 @@ def replica_stream(factory: StreamFactory, replica: int, replicas: int, seed: in
         if empty:
             raise UserError(f"{where} gave replica {replica} no batches: return a non-empty "
                             "iterable")
+
+
+def replica_batches(data: Any, y: np.ndarray | None, replica: int, replicas: int,
+                    batch_size: int, seed: int, split: str = "epoch", start_step: int = 0
+                    ) -> Iterator[Batch]:
+    """Replica ``replica``'s batches from step ``start_step`` on, whatever the driver shipped:
+
+    - arrays ``data`` (features) and ``y`` (labels), indexed as they are (no dtype change,
+      so click data's integer ids stay ids) with :class:`ReplicaSampler`'s rows;
+    - a :class:`Rows` (``y`` None): :func:`sampled_batches`, the same rows as for arrays;
+    - a stream factory (``y`` None): :func:`replica_stream` (a restart starts it afresh).
+    """
+    if y is not None:
+        sampler = ReplicaSampler(len(data), replica, replicas, batch_size, seed, split)
+        return ((data[idx], y[idx]) for idx in map(sampler.batch, count(start_step)))
+    if isinstance(data, Rows):
+        return sampled_batches(data, replica, replicas, batch_size, seed, split, start_step)
+    return replica_stream(data, replica, replicas, seed)
+
+
+def source_kind(data: Any, y: np.ndarray | None) -> str:
+    """What a replica reads its rows from: ``arrays``, a Rows class name, or ``stream``."""
+    if y is not None:
+        return "arrays"
+    return type(data).__name__ if isinstance(data, Rows) else "stream"

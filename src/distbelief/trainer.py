@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from distbelief.errors import UserError
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.host import HostFactory
 from distbelief.job import Job, TrainResult, actor_name
+from distbelief.limits import Resources, check_cpus
 from distbelief.modelpar.host import PartitionedHost
 from distbelief.ps.average import parse_average
 from distbelief.ps.buffers import BufferAverage, BufferPlan
@@ -38,6 +40,9 @@ from distbelief.ps.host import FlatHost
 from distbelief.ps.optim import make_rule
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
+from distbelief.sources import Rows, as_rows
+
+EVAL_BATCH = 1024  # rows of a Dataset/data-folder test set scored at a time
 
 __all__ = ["Evaluator", "Trainer", "TrainResult", "as_arrays", "store_bytes"]
 
@@ -81,26 +86,48 @@ class Trainer:
         resumed from or the last it wrote; 0 for none (for tools and fault tests)."""
         return 0 if self.job is None else self.job.checkpoints
 
-    def fit(self, x_train, y_train, x_test=None, y_test=None, progress: bool = False
+    def fit(self, x_train, y_train=None, x_test=None, y_test=None, progress: bool = False
             ) -> TrainResult:
         """Train on ``(x_train, y_train)``; evaluate on the test set if given.
 
-        Arrays may be NumPy or torch; ``x`` is float32 ``(n, ...)``, ``y`` has ``n`` rows.
+        Arrays may be NumPy or torch; ``x`` is float32 ``(n, ...)``, ``y`` has ``n`` rows;
+        they are put in Ray's object store once. Data larger than that, with ``y_train``
+        None: a torch map-style ``Dataset`` or a :class:`~distbelief.sources.Rows` (e.g. a
+        data folder's :class:`~distbelief.ondisk.DiskRows`), shipped as it is (a
+        ``DiskRows`` as its path) for each replica to read its sampled rows from; or a
+        factory ``factory(replica, replicas, seed) -> iterable of (x, y) batches`` that
+        each replica calls (see :mod:`distbelief.sources`). The test set, likewise arrays
+        or (``y_test`` None) a ``Dataset``/``Rows``, is scored in batches.
         """
         cfg = self.cfg
-        x_train, y_train = self._as_arrays(x_train, y_train, "training")
-        test = self._as_arrays(x_test, y_test, "test") if x_test is not None else None
+        x_train, y_train = self._as_data(x_train, y_train, "training")
+        test = self._as_data(x_test, y_test, "test") if x_test is not None else None
+        if test is not None and test[1] is None:
+            test = test[0]  # a Rows: the Evaluator scores it in batches
+            if not isinstance(test, Rows):
+                raise UserError("the test set is a stream factory: give arrays or a "
+                                "map-style Dataset (rows to score)")
         if cfg.partitions > 1:  # plan before any actor starts, so bad splits fail here
             from distbelief.modelpar.plan import plan_partitions
 
+            if y_train is not None or isinstance(x_train, Rows):
+                shape = x_train.shape[1:] if y_train is not None else x_train.feature_shape
+            else:
+                raise UserError("--partitions > 1 needs the rows' shape: give arrays or a "
+                                "map-style Dataset, not a stream factory")
             self._partition_plan = plan_partitions(self.model, cfg.partitions,
-                                                   cfg.partition_by, x_train.shape[1:])
+                                                   cfg.partition_by, tuple(shape))
+        if cfg.address is None:  # an embedded run: replica processes against the cores
+            warning = check_cpus(cfg.replicas, cfg.partitions, cfg.shards, Resources.local())
+            if warning:
+                print(warning, file=sys.stderr)
+        in_memory = x_train if y_train is not None else np.empty(0, np.float32)
         self.restored = None
         if cfg.resume:
             self.restored = latest_checkpoint(cfg.resume, self.plan, self._state_names())
             self._check_restored()
         with cluster.session(cfg.address, num_cpus=cfg.num_cpus,
-                             object_store_memory=store_bytes(x_train, self.plan)):
+                             object_store_memory=store_bytes(in_memory, self.plan)):
             resumed = int(self.restored[0]["checkpoint"]) if self.restored else 0
             self.job = Job(self.run_id, self.algorithm, cfg.run_dir, progress, resumed)
             self.job.write_json("config.json", cfg.to_dict())
@@ -116,6 +143,15 @@ class Trainer:
     def _as_arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
         """Validated contiguous NumPy inputs (float32 features); subclasses take other kinds."""
         return as_arrays(x, y, what)
+
+    def _as_data(self, x, y, what: str) -> tuple:
+        """``(x, y)`` arrays (:meth:`_as_arrays`) when ``y`` is given, else ``(source,
+        None)``: a stream factory as it is, anything else as a :class:`Rows`."""
+        if y is not None:
+            return self._as_arrays(x, y, what)
+        if callable(x) and not hasattr(x, "__getitem__") and not isinstance(x, Rows):
+            return x, None
+        return as_rows(x), None
 
     def _check_restored(self) -> None:
         """Raise :class:`UserError` if ``self.restored`` cannot continue this run."""
@@ -214,7 +250,10 @@ class Evaluator:
         self.average = average
         self.buffer_plan = BufferPlan.of(model)
         self.loss_fn = loss_fn
-        self.test = None if test is None else tuple(torch.from_numpy(a) for a in test)
+        if test is None or isinstance(test, Rows):
+            self.test = test  # a Rows (a Dataset, a data folder) is scored in batches
+        else:
+            self.test = tuple(torch.from_numpy(a) for a in test)
         self.subset = subset
 
     def evaluate(self, job: Job, shards: ShardSet, averaged: bool | None = None) -> dict:
@@ -257,6 +296,8 @@ class Evaluator:
         ``limit`` test examples (None: all), in ``eval()`` mode (the mode is restored)."""
         if self.test is None:
             return {}
+        if isinstance(self.test, Rows):
+            return self._score_rows(self.test, limit)
         x, y = (a[:limit] for a in self.test)
         model = self.flat.model
         training = model.training
@@ -269,6 +310,19 @@ class Evaluator:
         if out.ndim == 2 and not y.is_floating_point():
             scores["test_accuracy"] = float((out.argmax(1) == y).float().mean())
         return scores
+
+    def _score_rows(self, rows: Rows, limit: int | None) -> dict:
+        """:meth:`score` over a :class:`Rows`, :data:`EVAL_BATCH` rows at a time (the loss
+        averaged over rows, so ``loss_fn`` must take the mean over a batch)."""
+        n = len(rows) if limit is None else min(limit, len(rows))
+        loss, correct = 0.0, 0
+        for start in range(0, n, EVAL_BATCH):
+            x, y = (torch.from_numpy(a) for a in rows.rows(np.arange(start,
+                                                                      min(n, start + EVAL_BATCH))))
+            out = self.flat.model(x)
+            loss += float(self.loss_fn(out, y)) * len(y)
+            correct += int((out.argmax(1) == y).sum())
+        return {"test_loss": loss / n, "test_accuracy": correct / n}
 
 
 def as_arrays(x, y, what: str) -> tuple[np.ndarray, np.ndarray]:

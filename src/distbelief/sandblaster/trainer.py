@@ -37,6 +37,15 @@ class SandblasterLBFGS(Trainer):
 
     algorithm = "sandblaster"
 
+    def _as_data(self, x, y, what: str) -> tuple:
+        """Sandblaster deals portions of indexable rows held in memory: arrays only for
+        training (a test ``Dataset`` or data folder is scored in batches)."""
+        if y is None and what == "training":
+            raise UserError("SandblasterLBFGS needs the training rows as arrays (x, y): "
+                            "train a Dataset, data folder or stream with DownpourSGD "
+                            "(--algorithm downpour)")
+        return super()._as_data(x, y, what)
+
     def _check_restored(self) -> None:
         manifest = self.restored[0]
         state = manifest.get("lbfgs")
