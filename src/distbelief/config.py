@@ -25,7 +25,9 @@ from pathlib import Path
 from distbelief.errors import UserError
 
 ALGORITHMS = ("downpour", "sandblaster")
-OPTIMIZERS = ("sgd", "momentum", "adagrad")
+# --optimizer names with a meaning of their own (distbelief.ps.optim.OPTIMIZERS); any
+# element-wise torch.optim class name works too
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adagrad", "adam", "adamw", "rmsprop")
 DATASETS = ("digits", "synthetic", "ctr")
 MODELS = ("mlp", "lc")
 PARTITION_BY = ("auto", "space", "layers")
@@ -99,10 +101,21 @@ class TrainConfig:
         section="parallelism", factory=dict, flag="--slow-replica", metavar="INDEX:FACTOR",
         example="0:4", help="make a replica slower (repeatable)")
     # downpour
-    optimizer: str = option("adagrad", section="downpour", choices=OPTIMIZERS,
-                            help="the shards' update rule")
+    optimizer: str = option("adagrad", section="downpour", metavar="NAME",
+                            help="the shards' update rule: " + ", ".join(OPTIMIZERS) + " "
+                                 "(adagrad is DistBelief's), or any element-wise torch.optim "
+                                 "class by name (e.g. NAdam, Adagrad)")
     lr: float = option(0.05, section="downpour", help="server-side learning rate")
     momentum: float = option(0.9, section="downpour", help="for --optimizer momentum")
+    optimizer_args: dict[str, str] = option(
+        section="downpour", factory=dict, flag="--optimizer-arg", metavar="KEY=VALUE", sep="=",
+        example="weight_decay=0.01",
+        help="an argument of the torch.optim optimizer, e.g. weight_decay=0.01, betas=0.9,0.99, "
+             "amsgrad=true (repeatable)")
+    lr_schedule: str = option("constant", section="downpour", metavar="SCHEDULE",
+                              help="learning-rate schedule keyed on each shard's update count: "
+                                   "warmup:N, cosine:T[:FLOOR], step:N:GAMMA, comma-separated "
+                                   "(e.g. warmup:100,cosine:5000)")
     steps: int | None = option(section="downpour", auto=300, ctr=450,
                                help="mini-batches per replica")
     warmstart_steps: int = option(0, section="downpour",
@@ -170,7 +183,6 @@ class TrainConfig:
         if self.dataset not in DATASETS and not self.dataset.endswith(".npz"):
             raise UserError(f"{flag('dataset')} {self.dataset!r} is unknown: choose one of "
                             f"{', '.join(DATASETS)} or the path of a .npz file")
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
         _choice("data_split", self.data_split, SPLITS)
         _choice("model", self.model, MODELS)
@@ -200,6 +212,7 @@ class TrainConfig:
                             f"(got {self.checkpoint_every_s})")
         if not (0.0 <= self.momentum < 1.0):
             raise UserError(f"{flag('momentum')} must be in [0, 1) (got {self.momentum})")
+        self.update_rule()
         if self.num_cpus is not None:
             _at_least("num_cpus", self.num_cpus, 1)
         for index, factor in self.slow_replicas.items():
@@ -214,6 +227,22 @@ class TrainConfig:
                             f"{flag('steps')} ({self.steps}): warm-start steps are part of "
                             "replica 0's steps, so pass a smaller value")
         return self
+
+    @property
+    def ranged_updates(self) -> bool:
+        """Whether the shards apply pushes to gathered rows or ranges (row-sparse tables of
+        click data, model-parallel Downpour partitions), which only NumPy rules can."""
+        return self.click_data or (self.partitions > 1 and self.algorithm == "downpour")
+
+    def update_rule(self, rows: bool | None = None):
+        """The shards' update rule (``--optimizer``, ``--lr``, ``--momentum``,
+        ``--optimizer-arg``, ``--lr-schedule``), for dense slices or, with ``rows`` (default
+        :attr:`ranged_updates`), for gathered rows; a one-line :class:`UserError` if bad."""
+        from distbelief.ps.optim import make_rule
+
+        rows = self.ranged_updates if rows is None else rows
+        return make_rule(self.optimizer, self.lr, self.momentum, self.optimizer_args,
+                         self.lr_schedule, rows=rows)
 
     def resolve(self, *, command_line: bool = False) -> TrainConfig:
         """Fill every automatic default in place; the one place they are decided. Returns

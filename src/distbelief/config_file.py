@@ -68,6 +68,12 @@ def from_sections(doc: dict[str, typing.Any], where: str = "config") -> dict[str
 def _typed(name: str, value: typing.Any, where: str) -> typing.Any:
     """``value`` as field ``name``'s type, or a one-line :class:`UserError` at ``where``."""
     kind = field_type(name)
+    if kind is dict and FIELDS[name].metadata.get("sep") == "=":  # optimizer_args
+        if isinstance(value, dict) and all(_is(v, float) or _is(v, bool) or isinstance(v, str)
+                                           or isinstance(v, list) for v in value.values()):
+            return dict(value)
+        raise UserError(f"{where} must be a table of name = value, e.g. {name} = "
+                        "{ weight_decay = 0.01, betas = [0.9, 0.99] }")
     if kind is dict:  # slow_replicas: { 0 = 4.0 }, keys are replica indices
         if isinstance(value, dict) and all(k.isdigit() and _is(v, float) for k, v in
                                            value.items()):

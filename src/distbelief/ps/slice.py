@@ -17,7 +17,7 @@ import numpy as np
 
 from distbelief.checkpoint import save_arrays
 from distbelief.ps.codec import all_finite
-from distbelief.ps.optim import SGD
+from distbelief.ps.optim import Rule
 
 ACCEPTED_DTYPES = (np.float32,)
 
@@ -29,7 +29,7 @@ class ShardSlice:
     is applied minus the version the pushing replica last fetched.
     """
 
-    def __init__(self, shard_id: int, init: np.ndarray, rule: SGD) -> None:
+    def __init__(self, shard_id: int, init: np.ndarray, rule: Rule) -> None:
         self.shard_id = shard_id
         self.params = np.array(init, dtype=np.float32, copy=True).reshape(-1)
         self.rule = rule
