@@ -11,6 +11,7 @@ import ray
 
 from distbelief.cli import build_parser, config_values, main
 from distbelief.config import FIELDS, SECTIONS, TrainConfig, field_type, flag
+from distbelief.config_file import to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,23 @@ BAD = [
     (["--lr", "0"], "--lr must be a finite number > 0"),
     (["--lr", "-0.1"], "--lr must be a finite number > 0"),
     (["--lr", "nan"], "--lr must be a finite number > 0"),
-    (["--optimizer", "rmsprop"], "--optimizer 'rmsprop' is unknown: choose one of sgd"),
+    (["--optimizer", "adamm"], "--optimizer 'adamm' is unknown: choose one of sgd"),
+    (["--optimizer", "LBFGS"], "LBFGS needs a closure re-evaluating the whole model"),
+    (["--optimizer", "adam", "--optimizer-arg", "momentum=0.9"],
+     "--optimizer-arg momentum: torch.optim.Adam (--optimizer adam) takes no 'momentum'"),
+    (["--optimizer", "adam", "--optimizer-arg", "betas=0.9"],
+     "--optimizer-arg betas=0.9: pass 2 comma-separated numbers"),
+    (["--optimizer", "adam", "--optimizer-arg", "eps=-1"], "torch.optim.Adam rejects eps=-1.0"),
+    (["--optimizer-arg", "weight_decay"], "'weight_decay' is not KEY=VALUE"),
+    (["--optimizer", "sgd", "--lr", "-0.01"], "--lr must be a finite number > 0"),
+    (["--lr-schedule", "cosine"], "--lr-schedule 'cosine': phase 'cosine': write cosine:T"),
+    (["--lr-schedule", "cosine:100,warmup:10"], "the warm-up must come first"),
+    (["--lr-schedule", "step:100:2"], "GAMMA must be in (0, 1]"),
+    (["--lr-schedule", "linear:5"], "unknown phase 'linear'"),
+    (["--optimizer", "adam", "--partitions", "2"],
+     "--optimizer adam cannot update row-sparse tables or model-parallel ranges"),
+    (["--optimizer", "adam", "--dataset", "ctr"],
+     "--optimizer adam cannot update row-sparse tables or model-parallel ranges"),
     (["--dataset", "imagenet"], "--dataset 'imagenet' is unknown: choose one of digits"),
     (["--algorithm", "hogwild"], "--algorithm 'hogwild' is unknown"),
     (["--shards", "100000"], "--shards 100000 exceeds the model's 4810 parameter elements"),
@@ -157,6 +174,9 @@ def sample(name: str) -> tuple[list[str], object]:
     f, kind = FIELDS[name], field_type(name)
     if kind is bool:
         return [flag(name)], not f.default
+    if kind is dict and f.metadata.get("sep") == "=":  # --optimizer-arg KEY=VALUE
+        return [flag(name), "betas=0.9,0.99", flag(name), "eps=1e-6"], {"betas": "0.9,0.99",
+                                                                       "eps": "1e-6"}
     if kind is dict:
         return [flag(name), "1:3", flag(name), "0:2.5"], {1: 3.0, 0: 2.5}
     if kind is list:
@@ -209,8 +229,28 @@ def test_config_file_sets_sections_and_flags_override_it(tmp_path):
 def test_a_run_config_toml_is_reusable_with_config(tmp_path):
     cfg = TrainConfig(replicas=3, n_fetch=2, slow_replicas={2: 1.5}).validate(command_line=True)
     path = tmp_path / "config.toml"
-    path.write_text(cfg.to_toml())
+    path.write_text(to_toml(cfg))
     args = build_parser().parse_args(["train", "--config", str(path)])
+    assert TrainConfig(**config_values(args)).validate(command_line=True) == cfg
+
+
+def test_optimizer_args_and_schedule_from_a_config_file_round_trip(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[downpour]\noptimizer = "adam"\nlr_schedule = "warmup:10,cosine:100"\n'
+                    'optimizer_args = { betas = [0.8, 0.9], amsgrad = true }\n')
+    args = build_parser().parse_args(["train", "--config", str(path),
+                                      "--optimizer-arg", "weight_decay=0.01"])
+    cfg = TrainConfig(**config_values(args)).validate(command_line=True)
+    assert cfg.optimizer_args == {"weight_decay": "0.01"}  # the flag replaces the table
+    rule = cfg.update_rule()
+    assert rule.kwargs == {"weight_decay": 0.01} and str(rule.schedule) == "warmup:10,cosine:100"
+    args = build_parser().parse_args(["train", "--config", str(path)])
+    cfg = TrainConfig(**config_values(args)).validate(command_line=True)
+    assert cfg.update_rule().kwargs == {"betas": (0.8, 0.9), "amsgrad": True}
+    assert cfg.update_rule().state_names == ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    args = build_parser().parse_args(["train", "--config", str(again)])
     assert TrainConfig(**config_values(args)).validate(command_line=True) == cfg
 
 
@@ -222,6 +262,10 @@ BAD_CONFIG = [
     ("[model]\nreplicas = 2\n", "replicas belongs in [parallelism], not [model]"),
     ("[parallelism]\nreplicas = \"two\"\n", "replicas = \"two\" must be an integer"),
     ("[parallelism]\nreplicas = 0\n", "--replicas must be an integer >= 1"),
+    ("[downpour]\noptimizer_args = 3\n",
+     "[downpour] optimizer_args must be a table of name = value"),
+    ("[downpour]\noptimizer = \"adam\"\noptimizer_args = { nope = 1 }\n",
+     "--optimizer-arg nope: torch.optim.Adam (--optimizer adam) takes no 'nope'"),
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from distbelief import config
 from distbelief.config import FIELDS, PORTIONS_PER_REPLICA, SECTIONS, TrainConfig, flag
-from distbelief.config_file import load_toml
+from distbelief.config_file import load_toml, sections, to_toml
 from distbelief.errors import UserError
 
 
@@ -93,11 +93,11 @@ def test_toml_round_trip(tmp_path):
     cfg = TrainConfig(replicas=3, n_fetch=2, lr=0.1, slow_replicas={1: 2.5}, local_update=False,
                       run_dir=str(tmp_path / 'a "quoted"\\dir'), l2=1e-5).validate()
     path = tmp_path / "config.toml"
-    path.write_text(cfg.to_toml())
+    path.write_text(to_toml(cfg))
     assert TrainConfig(**load_toml(path)) == cfg
-    assert cfg.sections()["downpour"]["n_fetch"] == 2
-    assert "address" not in cfg.sections()["run"]  # None values are left out
-    assert "[downpour]\n" in cfg.to_toml()
+    assert sections(cfg)["downpour"]["n_fetch"] == 2
+    assert "address" not in sections(cfg)["run"]  # None values are left out
+    assert "[downpour]\n" in to_toml(cfg)
 
 
 def test_toml_file_sets_fields_by_section(tmp_path):

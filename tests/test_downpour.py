@@ -13,6 +13,7 @@ import torch
 
 from distbelief import DownpourSGD, data, models
 from distbelief.data import ReplicaSampler
+from distbelief.ps.schedules import parse_schedule
 from distbelief.ps.shard import ParameterShard
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -66,6 +67,48 @@ def test_one_replica_sgd_equals_torch_sgd_step_for_step(digits):
         np.testing.assert_allclose(result.params[name], p.detach().numpy(), atol=1e-6)
         np.testing.assert_allclose(dict(model.named_parameters())[name].detach().numpy(),
                                    p.detach().numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("shards,betas,schedule", [(1, (0.9, 0.999), "constant"),
+                                                   (2, (0.8, 0.99), "warmup:5,cosine:30")])
+def test_one_replica_adam_equals_torch_adam_step_for_step(digits, shards, betas, schedule):
+    """The shards' Adam (a torch.optim.Adam over each shard's slice) is torch's Adam over the
+    whole model, and a warm-up/cosine schedule keyed on the shards' version is torch's
+    LambdaLR with the same factor per step."""
+    lr, bs, steps, seed = 0.01, 32, 40, 3
+    model = small_model(digits, seed)
+    reference = copy.deepcopy(model)
+    result = DownpourSGD(model, replicas=1, shards=shards, n_fetch=1, n_push=1,
+                         optimizer="adam", optimizer_args={"betas": f"{betas[0]},{betas[1]}"},
+                         lr_schedule=schedule, lr=lr, batch_size=bs, steps=steps,
+                         seed=seed).fit(digits.x_train, digits.y_train)
+    opt = torch.optim.Adam(reference.parameters(), lr=lr, betas=betas)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, parse_schedule(schedule).factor)
+    sampler = ReplicaSampler(len(digits.x_train), 0, 1, bs, seed)
+    x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
+    ref_losses = []
+    for k in range(steps):
+        rows = torch.from_numpy(sampler.batch(k))
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(reference(x[rows]), y[rows])
+        loss.backward()
+        opt.step()
+        sched.step()
+        ref_losses.append(loss.item())
+    losses = [e["loss"] for e in steps_of(result, 0)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+    for name, p in reference.named_parameters():
+        np.testing.assert_allclose(result.params[name], p.detach().numpy(), atol=1e-6)
+    assert [s["version"] for s in result.shard_stats] == [steps] * shards
+
+
+def test_four_replicas_adam_train_digits(digits):
+    result = DownpourSGD(models.mlp(digits.features, 64, 10, 0), replicas=4, shards=2,
+                         optimizer="adam", lr=0.003, steps=300).fit(
+        digits.x_train, digits.y_train, digits.x_test, digits.y_test)
+    assert result.test_accuracy >= 0.95
+    assert all(s["pushes_by_replica"] == {str(r): 300 for r in range(4)}
+               for s in result.shard_stats)
 
 
 def test_n_fetch_and_n_push_semantics(digits):

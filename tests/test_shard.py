@@ -2,8 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 
-from distbelief.ps.optim import SGD
+from distbelief.checkpoint import load_arrays
+from distbelief.ps.optim import SGD, make_rule
+from distbelief.ps.schedules import parse_schedule
 from distbelief.ps.shard import ShardCore
 
 
@@ -101,3 +104,37 @@ def test_staged_ranges_add_up_under_one_tag_and_bad_parts_are_refused(core):
     np.testing.assert_array_equal(core.vector("g"), [1.5, 3.0, 4.0, 2.0])
     assert core.stats()["rejected"] == {"range": 1, "nonfinite": 1}
     np.testing.assert_array_equal(core.fetch_vector_ranges("g", [(1, 2), (3, 4)]), [3.0, 2.0])
+
+
+def test_torch_rule_with_schedule_equals_torch_and_survives_save_restore(tmp_path):
+    """A shard's Adam (amsgrad) with a warm-up/cosine schedule keyed on its version equals
+    torch's Adam + LambdaLR, and a shard restored from its file mid-way continues bit for
+    bit; a ranged push, which a torch rule cannot serve, is rejected as ``rule``."""
+    def rule():
+        return make_rule("adam", 0.01, args=["amsgrad=true"], schedule="warmup:3,cosine:10")
+
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(6).astype(np.float32) for _ in range(8)]
+    core = ShardCore(0, np.zeros(6, np.float32), rule())
+    for g in grads[:4]:
+        assert core.push(g, core.version)
+    core.save(str(tmp_path / "s.safetensors"))
+    again = ShardCore(0, np.ones(6, np.float32), rule())
+    again.restore(load_arrays(tmp_path / "s.safetensors"), core.version)
+    assert again.state["step"].shape == (1,)
+    for g in grads[4:]:
+        assert core.push(g, core.version) and again.push(g.copy(), again.version)
+    np.testing.assert_array_equal(again.params, core.params)
+    for name in core.state:
+        np.testing.assert_array_equal(again.state[name], core.state[name], err_msg=name)
+    param = torch.zeros(6, requires_grad=True)
+    opt = torch.optim.Adam([param], lr=0.01, amsgrad=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, parse_schedule("warmup:3,cosine:10").factor)
+    for g in grads:
+        param.grad = torch.from_numpy(g)
+        opt.step()
+        sched.step()
+    np.testing.assert_allclose(core.params, param.detach().numpy(), rtol=0, atol=1e-7)
+    assert core.state["step"].tolist() == [8.0]
+    assert not core.push_ranges([(0, 2)], np.ones(2, np.float32), core.version)
+    assert core.rejected == {"rule": 1} and core.version == 8

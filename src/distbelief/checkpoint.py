@@ -85,9 +85,11 @@ def write_manifest(run_dir: Path, number: int, versions: Sequence[int], plan,
     return path
 
 
-def latest_checkpoint(run_dir: str | os.PathLike, plan, state_names: Sequence[str]
+def latest_checkpoint(run_dir: str | os.PathLike, plan, state_names: Sequence[str],
+                      scalar_names: Sequence[str] = ()
                       ) -> tuple[dict, list[dict[str, np.ndarray]]]:
-    """The newest complete checkpoint of ``run_dir`` that fits ``plan``: manifest + arrays.
+    """The newest complete checkpoint of ``run_dir`` that fits ``plan``: manifest + arrays
+    (``scalar_names``: the state arrays of shape ``(1,)``, as :func:`load_checkpoint`).
 
     Raises :class:`UserError` (one line, naming the fix) when there is none, when files are
     missing or corrupt, or when the checkpoint belongs to a different model or optimizer.
@@ -97,16 +99,19 @@ def latest_checkpoint(run_dir: str | os.PathLike, plan, state_names: Sequence[st
     if not manifests:
         raise UserError(f"--resume {run_dir}: no checkpoint found in {folder}: pass the run "
                         "folder of a run that wrote checkpoints")
-    return load_checkpoint(run_dir, int(manifests[-1].stem.split("-")[1]), plan, state_names)
+    return load_checkpoint(run_dir, int(manifests[-1].stem.split("-")[1]), plan, state_names,
+                           scalar_names=scalar_names)
 
 
 def load_checkpoint(run_dir: str | os.PathLike, number: int, plan, state_names: Sequence[str],
-                    shards: Sequence[int] | None = None
+                    shards: Sequence[int] | None = None, scalar_names: Sequence[str] = ()
                     ) -> tuple[dict, list[dict[str, np.ndarray] | None]]:
     """Checkpoint ``number`` of ``run_dir``, validated against ``plan``: manifest + arrays.
 
     ``parts[i]`` holds shard i's ``params``, rule state and any Sandblaster vectors
     (``vec:NAME``); only the shards listed in ``shards`` are read (the others are None).
+    Every array has the slice's shape ``(size,)`` but the rule's ``scalar_names`` (``(1,)``:
+    a step count).
     Each manifest shard entry gains the ``counters`` its file recorded. Errors as for
     :func:`latest_checkpoint`.
     """
@@ -129,10 +134,11 @@ def load_checkpoint(run_dir: str | os.PathLike, number: int, plan, state_names: 
         size = plan.bounds[i + 1] - plan.bounds[i]
         names = ("params", *state_names, *(k for k in arrays if k.startswith("vec:")))
         for name in names:
-            if name not in arrays or arrays[name].shape != (size,) \
+            n = 1 if name in scalar_names else size
+            if name not in arrays or arrays[name].shape != (n,) \
                     or arrays[name].dtype != np.float32:
                 raise UserError(f"checkpoint file {entry['file']} lacks a float32 {name!r} of "
-                                f"{size} elements: it is damaged, use another checkpoint")
+                                f"{n} elements: it is damaged, use another checkpoint")
         entry["counters"] = _counters(folder / entry["file"])
         parts.append(arrays)
     return manifest, parts
@@ -149,10 +155,11 @@ def read_manifest(run_dir: str | os.PathLike, number: int) -> dict:
 
 
 def load_shard(run_dir: str | os.PathLike, number: int, shard: int, plan,
-               state_names: Sequence[str]) -> dict:
+               state_names: Sequence[str], scalar_names: Sequence[str] = ()) -> dict:
     """Dense shard ``shard``'s part of checkpoint ``number``, as a shard restores it:
     ``{"arrays", "version", "counters"}``."""
-    manifest, parts = load_checkpoint(run_dir, number, plan, state_names, shards=[shard])
+    manifest, parts = load_checkpoint(run_dir, number, plan, state_names, shards=[shard],
+                                      scalar_names=scalar_names)
     entry = manifest["shards"][shard]
     return {"arrays": parts[shard], "version": entry["version"], "counters": entry["counters"]}
 

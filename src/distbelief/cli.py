@@ -28,14 +28,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"distbelief: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _pair(name: str, metavar: str, example: str):
-    """The argparse type of mapping field ``name``: ``KEY:VALUE`` -> ``(key, value)``."""
+def _pair(name: str, metavar: str, example: str, sep: str = ":"):
+    """The argparse type of mapping field ``name``: ``KEY:VALUE`` (``sep`` between) ->
+    ``(key, value)``."""
     key, value = typing.get_args(typing.get_type_hints(TrainConfig)[name])
 
     def parse(text: str) -> tuple:
-        left, _, right = text.partition(":")
+        left, found, right = text.partition(sep)
         try:
-            return key(left), value(right)
+            if not (found and left.strip() and right.strip()):
+                raise ValueError(text)
+            return key(left.strip()), value(right.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {metavar}, e.g. {example}"
                                              ) from None
@@ -67,7 +70,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 action = "store_false" if f.default is True else "store_true"
                 group.add_argument(flag(f.name), action=action, **common)
             elif kind is dict:
-                parse = _pair(f.name, f.metadata["metavar"], f.metadata["example"])
+                parse = _pair(f.name, f.metadata["metavar"], f.metadata["example"],
+                              f.metadata.get("sep", ":"))
                 group.add_argument(flag(f.name), type=parse, action="append",
                                    metavar=f.metadata["metavar"], **common)
             elif kind is list:
@@ -100,8 +104,9 @@ def config_values(args: argparse.Namespace) -> dict[str, Any]:
     """The fields ``train`` sets: the ``--config`` file's, overridden by the flags given."""
     values = load_toml(args.config) if args.config else {}
     given = {k: v for k, v in vars(args).items() if k in FIELDS}
-    if "slow_replicas" in given:
-        given["slow_replicas"] = dict(given["slow_replicas"])
+    for name in given:
+        if field_type(name) is dict:  # (key, value) pairs of a repeatable flag
+            given[name] = dict(given[name])
     return values | given
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import time
@@ -26,7 +25,9 @@ from distbelief.devices import DEVICES, check_cuda_here, check_gpus
 from distbelief.errors import UserError
 
 ALGORITHMS = ("downpour", "sandblaster")
-OPTIMIZERS = ("sgd", "momentum", "adagrad")
+# --optimizer names with a meaning of their own (distbelief.ps.optim.OPTIMIZERS); any
+# element-wise torch.optim class name works too
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adagrad", "adam", "adamw", "rmsprop")
 DATASETS = ("digits", "mnist", "synthetic", "ctr")
 MODELS = ("mlp", "lc", "cnn")  # built-in; --model MODULE:CALLABLE names a user factory
 PARTITION_BY = ("auto", "space", "layers")
@@ -115,10 +116,21 @@ class TrainConfig:
                                      help="GPUs Ray reserves for each replica (fractions share "
                                           "one GPU; > 0 with --device cuda); shards stay on CPU")
     # downpour
-    optimizer: str = option("adagrad", section="downpour", choices=OPTIMIZERS,
-                            help="the shards' update rule")
+    optimizer: str = option("adagrad", section="downpour", metavar="NAME",
+                            help="the shards' update rule: " + ", ".join(OPTIMIZERS) + " "
+                                 "(adagrad is DistBelief's), or any element-wise torch.optim "
+                                 "class by name (e.g. NAdam, Adagrad)")
     lr: float = option(0.05, section="downpour", help="server-side learning rate")
     momentum: float = option(0.9, section="downpour", help="for --optimizer momentum")
+    optimizer_args: dict[str, str] = option(
+        section="downpour", factory=dict, flag="--optimizer-arg", metavar="KEY=VALUE", sep="=",
+        example="weight_decay=0.01",
+        help="an argument of the torch.optim optimizer, e.g. weight_decay=0.01, betas=0.9,0.99, "
+             "amsgrad=true (repeatable)")
+    lr_schedule: str = option("constant", section="downpour", metavar="SCHEDULE",
+                              help="learning-rate schedule keyed on each shard's update count: "
+                                   "warmup:N, cosine:T[:FLOOR], step:N:GAMMA, comma-separated "
+                                   "(e.g. warmup:100,cosine:5000)")
     steps: int | None = option(section="downpour", auto=300, ctr=450,
                                help="mini-batches per replica")
     warmstart_steps: int = option(0, section="downpour",
@@ -196,7 +208,6 @@ class TrainConfig:
             raise UserError(f"{flag('dataset')} {self.dataset!r} is unknown: choose one of "
                             f"{', '.join(DATASETS)}, the path of a .npz file, or a data folder "
                             "holding a meta.json (python -m distbelief.ondisk writes one)")
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
         _choice("data_split", self.data_split, SPLITS)
         self._validate_model()
@@ -228,6 +239,7 @@ class TrainConfig:
                             f"(got {self.checkpoint_every_s})")
         if not (0.0 <= self.momentum < 1.0):
             raise UserError(f"{flag('momentum')} must be in [0, 1) (got {self.momentum})")
+        self.update_rule()
         if self.num_cpus is not None:
             _at_least("num_cpus", self.num_cpus, 1)
         for index, factor in self.slow_replicas.items():
@@ -267,6 +279,22 @@ class TrainConfig:
             raise UserError(f"--model-arg is for --model MODULE:CALLABLE, not the built-in "
                             f"{self.model}: set it with --hidden or --channels instead")
         parse_model_args(self.model_args)
+
+    @property
+    def ranged_updates(self) -> bool:
+        """Whether the shards apply pushes to gathered rows or ranges (row-sparse tables of
+        click data, model-parallel Downpour partitions), which only NumPy rules can."""
+        return self.click_data or (self.partitions > 1 and self.algorithm == "downpour")
+
+    def update_rule(self, rows: bool | None = None):
+        """The shards' update rule (``--optimizer``, ``--lr``, ``--momentum``,
+        ``--optimizer-arg``, ``--lr-schedule``), for dense slices or, with ``rows`` (default
+        :attr:`ranged_updates`), for gathered rows; a one-line :class:`UserError` if bad."""
+        from distbelief.ps.optim import make_rule
+
+        rows = self.ranged_updates if rows is None else rows
+        return make_rule(self.optimizer, self.lr, self.momentum, self.optimizer_args,
+                         self.lr_schedule, rows=rows)
 
     def resolve(self, *, command_line: bool = False) -> TrainConfig:
         """Fill every automatic default in place; the one place they are decided. Returns
@@ -313,22 +341,6 @@ class TrainConfig:
         out["slow_replicas"] = {str(k): v for k, v in self.slow_replicas.items()}
         return out
 
-    def sections(self) -> dict[str, dict]:
-        """The fields by section, as a ``--config`` file holds them (``None`` left out)."""
-        out: dict[str, dict] = {name: {} for name in SECTIONS}
-        for name, value in self.to_dict().items():
-            if value is not None:
-                out[FIELDS[name].metadata["section"]][name] = value
-        return out
-
-    def to_toml(self) -> str:
-        """The config as a TOML file that ``distbelief train --config FILE`` reads back."""
-        blocks = []
-        for section, values in self.sections().items():
-            lines = [f"{name} = {toml_value(value)}" for name, value in values.items()]
-            blocks.append("\n".join([f"[{section}]", *lines]))
-        return "\n\n".join(blocks) + "\n"
-
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
@@ -365,20 +377,6 @@ def is_ctr_file(path: str) -> bool:
     except (OSError, zipfile.BadZipFile):
         return False
     return "ids" in arrays or "labels" in arrays
-
-
-def toml_value(value: typing.Any) -> str:
-    """A TOML literal of a config value (str, bool, int, float, or a flat dict of them)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        items = ", ".join(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in value.items())
-        return "{ " + items + " }" if items else "{}"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON's escapes are TOML's
-    return repr(value)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -3,16 +3,17 @@
 ``[downpour]`` / ``n_fetch = 2`` sets :attr:`TrainConfig.n_fetch`; each key must sit in its
 field's section (:data:`distbelief.config.SECTIONS`) and have its field's type. Flags given
 on the command line override the file (:mod:`distbelief.cli`). Write one with
-:meth:`TrainConfig.to_toml`.
+:func:`to_toml`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 import typing
 
-from distbelief.config import FIELDS, SECTIONS, field_type, toml_value
+from distbelief.config import FIELDS, SECTIONS, TrainConfig, field_type
 from distbelief.errors import UserError
 
 
@@ -68,6 +69,12 @@ def from_sections(doc: dict[str, typing.Any], where: str = "config") -> dict[str
 def _typed(name: str, value: typing.Any, where: str) -> typing.Any:
     """``value`` as field ``name``'s type, or a one-line :class:`UserError` at ``where``."""
     kind = field_type(name)
+    if kind is dict and FIELDS[name].metadata.get("sep") == "=":  # optimizer_args
+        if isinstance(value, dict) and all(_is(v, float) or _is(v, bool) or isinstance(v, str)
+                                           or isinstance(v, list) for v in value.values()):
+            return dict(value)
+        raise UserError(f"{where} must be a table of name = value, e.g. {name} = "
+                        "{ weight_decay = 0.01, betas = [0.9, 0.99] }")
     if kind is dict:  # slow_replicas: { 0 = 4.0 }, keys are replica indices
         if isinstance(value, dict) and all(k.isdigit() and _is(v, float) for k, v in
                                            value.items()):
@@ -95,3 +102,35 @@ def _is(value: typing.Any, kind: type) -> bool:
     if isinstance(value, bool):
         return kind is bool
     return isinstance(value, kind) or (kind is float and isinstance(value, int))
+
+
+def sections(cfg: TrainConfig) -> dict[str, dict]:
+    """``cfg``'s fields by section, as a ``--config`` file holds them (``None`` left out)."""
+    out: dict[str, dict] = {name: {} for name in SECTIONS}
+    for name, value in cfg.to_dict().items():
+        if value is not None:
+            out[FIELDS[name].metadata["section"]][name] = value
+    return out
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """``cfg`` as a TOML file that ``distbelief train --config FILE`` reads back."""
+    blocks = []
+    for section, values in sections(cfg).items():
+        lines = [f"{name} = {toml_value(value)}" for name, value in values.items()]
+        blocks.append("\n".join([f"[{section}]", *lines]))
+    return "\n\n".join(blocks) + "\n"
+
+
+def toml_value(value: typing.Any) -> str:
+    """A TOML literal of a config value (str, bool, int, float, or a flat dict of them)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # JSON's escapes are TOML's
+    return repr(value)

@@ -37,7 +37,7 @@ from distbelief.ps.buffers import BufferAverage, BufferPlan
 from distbelief.ps.client import PSClient
 from distbelief.ps.group import ShardGroup, ShardSet
 from distbelief.ps.host import FlatHost
-from distbelief.ps.optim import make_rule
+from distbelief.ps.optim import Rule
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 from distbelief.sources import Rows, as_rows
@@ -124,7 +124,8 @@ class Trainer:
         in_memory = x_train if y_train is not None else np.empty(0, np.float32)
         self.restored = None
         if cfg.resume:
-            self.restored = latest_checkpoint(cfg.resume, self.plan, self._state_names())
+            self.restored = latest_checkpoint(cfg.resume, self.plan, self._state_names(),
+                                              self._rule().scalar_names)
             self._check_restored()
         with cluster.session(cfg.address, num_cpus=cfg.num_cpus,
                              object_store_memory=store_bytes(in_memory, self.plan)):
@@ -156,8 +157,13 @@ class Trainer:
     def _check_restored(self) -> None:
         """Raise :class:`UserError` if ``self.restored`` cannot continue this run."""
 
+    def _rule(self) -> Rule:
+        """The dense shards' update rule (its state names depend on ``--optimizer-arg``:
+        amsgrad adds ``max_exp_avg_sq``)."""
+        return self.cfg.update_rule()
+
     def _state_names(self) -> tuple[str, ...]:
-        return make_rule(self.cfg.optimizer, self.cfg.lr, self.cfg.momentum).state_names
+        return self._rule().state_names
 
     def _resumed_from(self) -> tuple[Path, int] | None:
         """The checkpoint this fit resumed from (its run folder and number), if any."""
@@ -181,11 +187,13 @@ class Trainer:
 
         def spawn(i: int, restore_point: dict | None):
             return job.actor(ParameterShard, "shard", i, i, initial[i], cfg.optimizer,
-                             cfg.lr, cfg.momentum, restore_point,
+                             cfg.lr, cfg.momentum, restore_point, args=cfg.optimizer_args,
+                             schedule=cfg.lr_schedule, rows=cfg.ranged_updates,
                              buffers=buffers if i == 0 else None, average=average)
 
         def read(run_dir: Path, number: int, i: int) -> dict:
-            return load_shard(run_dir, number, i, plan, self._state_names())
+            return load_shard(run_dir, number, i, plan, self._state_names(),
+                              self._rule().scalar_names)
 
         group = ShardGroup(job, "shard", plan.shards, spawn, read, self.restores_shards)
         return group.start(restored, self._resumed_from())

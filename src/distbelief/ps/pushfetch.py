@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from distbelief.ps.codec import WIRE_DTYPES, all_finite, decode_into
-from distbelief.ps.optim import SGD
+from distbelief.ps.optim import Rule
 from distbelief.ps.slice import ShardSlice
 
 PUSH_DTYPES = tuple(WIRE_DTYPES.values())  # float32, float16, bfloat16 bits (uint16)
@@ -15,7 +15,7 @@ class PushFetch(ShardSlice):
     """Fetches of the slice (or ranges of it) and pushes applied by the shard's update rule,
     in the order they arrive."""
 
-    def __init__(self, shard_id: int, init: np.ndarray, rule: SGD) -> None:
+    def __init__(self, shard_id: int, init: np.ndarray, rule: Rule) -> None:
         super().__init__(shard_id, init, rule)
         self._wide: np.ndarray | None = None  # float32 scratch for 16-bit pushes
 
@@ -60,7 +60,7 @@ class PushFetch(ShardSlice):
             self.rejected[reason] += 1
             return False
         self.staleness[self.version - int(fetched_version)] += 1
-        self.rule.apply(self.params, grad, self.state)
+        self.rule.apply(self.params, grad, self.state, update=self.version)
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
         self.applied(buffers)
@@ -97,17 +97,22 @@ class PushFetch(ShardSlice):
         """Apply ``grad`` (the concatenated gradient of ``ranges``) to those elements only.
 
         The update rule and its state see just the touched elements, so Adagrad or
-        momentum on a subset equals the dense rule restricted to it. Malformed input is
+        momentum on a subset equals the dense rule restricted to it; only rules that can
+        update gathered elements (``rule.rows_ok``: the NumPy rules) serve ranges, others
+        reject the push as ``rule``. Malformed input is
         rejected and counted, as for :meth:`push`; ranges outside the slice count as
         ``range``.
         """
+        if not self.rule.rows_ok:
+            self.rejected["rule"] += 1
+            return False
         index = self._checked_index(ranges, grad)
         if index is None:
             return False
         self.staleness[self.version - int(fetched_version)] += 1
         param = self.params[index]
         state = {k: v[index] for k, v in self.state.items()}
-        self.rule.apply(param, grad, state)
+        self.rule.apply(param, grad, state, update=self.version)
         self.params[index] = param
         for k, v in state.items():
             self.state[k][index] = v

@@ -9,6 +9,8 @@ its own update rule to its own slice, in the order pushes reach it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import ray
 
@@ -16,6 +18,7 @@ from distbelief.ps.average import AverageSpec
 from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.optim import make_rule
 from distbelief.ps.pushfetch import PushFetch
+from distbelief.ps.torchrule import TorchRule, one_torch_thread
 from distbelief.ps.vectors import VectorStore
 
 
@@ -30,10 +33,18 @@ class ParameterShard(ShardCore):
     """Ray actor holding one shard: every :class:`ShardCore` method is a remote method."""
 
     def __init__(self, shard_id: int, init: np.ndarray, optimizer: str, lr: float,
-                 momentum: float = 0.9, restored: dict | None = None,
-                 buffers: BufferAverage | None = None, average: AverageSpec | None = None
-                 ) -> None:
-        super().__init__(shard_id, init, make_rule(optimizer, lr, momentum))
+                 momentum: float = 0.9, restored: dict | None = None, *,
+                 args: Mapping[str, object] | None = None, schedule: str | None = None,
+                 rows: bool = False, buffers: BufferAverage | None = None,
+                 average: AverageSpec | None = None) -> None:
+        """Shard ``shard_id`` of ``init`` (float32), updated by ``make_rule(optimizer, lr,
+        momentum, args, schedule, rows)`` (``rows``: pushes come as ranges); ``restored``: a
+        checkpoint's ``{"arrays", "version", "counters"}`` to start from; ``buffers`` (shard 0
+        of a model with buffers) and ``average`` (``--average``) as in :class:`ShardCore`."""
+        rule = make_rule(optimizer, lr, momentum, args, schedule, rows=rows)
+        if isinstance(rule, TorchRule):
+            one_torch_thread()
+        super().__init__(shard_id, init, rule)
         self.keep_extras(buffers, average)
         if restored is not None:
             self.restore(restored["arrays"], restored["version"], restored.get("counters"))

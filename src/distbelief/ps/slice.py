@@ -19,7 +19,7 @@ from distbelief.checkpoint import save_arrays
 from distbelief.ps.average import AverageSpec, ParamAverage
 from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.codec import all_finite
-from distbelief.ps.optim import SGD
+from distbelief.ps.optim import Rule
 
 ACCEPTED_DTYPES = (np.float32,)
 
@@ -31,7 +31,7 @@ class ShardSlice:
     is applied minus the version the pushing replica last fetched.
     """
 
-    def __init__(self, shard_id: int, init: np.ndarray, rule: SGD) -> None:
+    def __init__(self, shard_id: int, init: np.ndarray, rule: Rule) -> None:
         self.shard_id = shard_id
         self.params = np.array(init, dtype=np.float32, copy=True).reshape(-1)
         self.rule = rule

@@ -48,6 +48,13 @@ RESERVED = {
 PINNED = {"foreach": False, "fused": False, "capturable": False, "differentiable": False}
 
 
+def one_torch_thread() -> None:
+    """Run this process's torch on one thread (a shard actor holds one logical CPU), unless
+    Ray (``OMP_NUM_THREADS``) or someone else already did."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
     """Every element-wise ``torch.optim`` optimizer, by class name (``Adam``, ``NAdam`` ...)."""
     found = {}

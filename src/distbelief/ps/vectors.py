@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from distbelief.ps.optim import SGD
+from distbelief.ps.optim import Rule
 from distbelief.ps.slice import ShardSlice
 
 
 class VectorStore(ShardSlice):
     """Named vectors (saved with the shard when asked) and gradients staged under tags."""
 
-    def __init__(self, shard_id: int, init: np.ndarray, rule: SGD) -> None:
+    def __init__(self, shard_id: int, init: np.ndarray, rule: Rule) -> None:
         super().__init__(shard_id, init, rule)
         self.vectors: dict[str, np.ndarray] = {}
         self.staged: dict[str, np.ndarray] = {}

@@ -16,7 +16,7 @@ Typical loop (what a Downpour replica does for every step)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -47,8 +47,10 @@ class LocalTables:
     """
 
     def __init__(self, specs: Iterable[TableSpec], optimizer: str = "adagrad",
-                 lr: float = 0.05, momentum: float = 0.9) -> None:
-        rule = make_rule(optimizer, lr, momentum)
+                 lr: float = 0.05, momentum: float = 0.9, *,
+                 args: Mapping[str, object] | None = None, schedule: str | None = None
+                 ) -> None:
+        rule = make_rule(optimizer, lr, momentum, args, schedule, rows=True)
         self.tables = {s.name: RowTable(s, rule) for s in specs}
 
     def fetch_many(self, request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

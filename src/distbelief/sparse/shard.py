@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 import ray
@@ -26,8 +27,10 @@ class EmbeddingShardCore:
     """
 
     def __init__(self, shard: int, shards: int, specs: list[TableSpec], optimizer: str,
-                 lr: float, momentum: float = 0.9, restored: dict | None = None) -> None:
-        rule = make_rule(optimizer, lr, momentum)
+                 lr: float, momentum: float = 0.9, restored: dict | None = None, *,
+                 args: Mapping[str, object] | None = None, schedule: str | None = None
+                 ) -> None:
+        rule = make_rule(optimizer, lr, momentum, args, schedule, rows=True)
         self.shard_id, self.shards = shard, shards
         self.tables = {s.name: RowTable(s, rule, shard, shards) for s in specs}
         self.version = 0
@@ -95,7 +98,7 @@ class EmbeddingShardCore:
             self.last_rejection = problem[1]
             return problem[1]
         for name, (rows, grads) in request.items():
-            self.tables[name].push(rows, grads)
+            self.tables[name].push(rows, grads, update=self.version)
         self.staleness[self.version - int(fetched_version)] += 1
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1

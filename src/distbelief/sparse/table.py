@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distbelief.ps.optim import SGD
+from distbelief.ps.optim import Rule
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -98,7 +98,7 @@ class RowTable:
     rows ever pushed, not to ``spec.rows``. Row ids are always global table rows.
     """
 
-    def __init__(self, spec: TableSpec, rule: SGD, shard: int = 0, shards: int = 1) -> None:
+    def __init__(self, spec: TableSpec, rule: Rule, shard: int = 0, shards: int = 1) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is outside 0..{shards - 1}")
         self.spec, self.rule, self.shard, self.shards = spec, rule, shard, shards
@@ -155,8 +155,11 @@ class RowTable:
             out[~have] = initial_rows(self.spec, rows[~have])
         return out
 
-    def push(self, rows: np.ndarray, grads: np.ndarray) -> str | None:
-        """Apply the update rule to ``rows`` with ``grads`` (float32 ``(n, dim)``).
+    def push(self, rows: np.ndarray, grads: np.ndarray, update: int | None = None
+             ) -> str | None:
+        """Apply the update rule to ``rows`` with ``grads`` (float32 ``(n, dim)``) as update
+        number ``update`` (for a learning-rate schedule: the shard's version; default this
+        table's update count).
 
         Duplicate row ids have their gradients summed first, so the rule sees one gradient
         per row, exactly as a dense update of the whole table restricted to those rows would.
@@ -172,7 +175,7 @@ class RowTable:
         slots = self._materialize(rows)
         param = self.values[slots]
         state = {k: v[slots] for k, v in self.state.items()}
-        self.rule.apply(param, grads, state)
+        self.rule.apply(param, grads, state, update=self.updates if update is None else update)
         self.values[slots] = param
         for k, v in state.items():
             self.state[k][slots] = v

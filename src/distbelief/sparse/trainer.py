@@ -96,6 +96,7 @@ class SparseDownpourSGD(DownpourSGD):
         if self.cfg.gpus_per_replica > 0:
             raise UserError("sparse embedding tables train on CPU: drop --device and "
                             "--gpus-per-replica")
+        self.cfg.update_rule(rows=True)  # row shards update gathered rows: NumPy rules only
         # the resumed checkpoint's rows, read and validated before any actor starts; held
         # only until the row shards start (a later restart reads the file again)
         self._resumed_rows: list[dict] | None = None
@@ -131,7 +132,8 @@ class SparseDownpourSGD(DownpourSGD):
         cfg = self.cfg
         try:
             EmbeddingShardCore(i, cfg.shards, self.specs, cfg.optimizer, cfg.lr, cfg.momentum,
-                               {"arrays": arrays, "version": entry["version"]})
+                               {"arrays": arrays, "version": entry["version"]},
+                               args=cfg.optimizer_args, schedule=cfg.lr_schedule)
         except ValueError as err:
             raise UserError(f"row checkpoint {entry['file']} does not fit this model ({err}): "
                             "use another checkpoint") from None
@@ -145,7 +147,8 @@ class SparseDownpourSGD(DownpourSGD):
 
         def spawn(i: int, restore_point: dict | None):
             return job.actor(EmbeddingShard, "rowshard", i, i, cfg.shards, specs,
-                             cfg.optimizer, cfg.lr, cfg.momentum, restore_point)
+                             cfg.optimizer, cfg.lr, cfg.momentum, restore_point,
+                             args=cfg.optimizer_args, schedule=cfg.lr_schedule)
 
         rows = ShardGroup(job, "rowshard", cfg.shards, spawn, load_row_shard,
                           self.restores_shards, label="row shard",
@@ -172,7 +175,8 @@ class SparseDownpourSGD(DownpourSGD):
     def _keep_rows(self, row_shards: list) -> None:
         """Copy the trained rows into an in-process source attached to the user's model."""
         cfg = self.cfg
-        local = LocalTables(self.specs, cfg.optimizer, cfg.lr, cfg.momentum)
+        local = LocalTables(self.specs, cfg.optimizer, cfg.lr, cfg.momentum,
+                            args=cfg.optimizer_args, schedule=cfg.lr_schedule)
         for spec in self.specs:
             parts = ray.get([s.export.remote(spec.name) for s in row_shards])
             for rows, values in parts:
