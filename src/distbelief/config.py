@@ -60,10 +60,10 @@ class TrainConfig:
     """Everything a training run needs; each field's metadata holds its section and help.
 
     ``steps`` counts mini-batches per replica (warm-start steps included, on replica 0);
-    ``lr`` is the server-side learning rate; ``eval_every_s`` is the wall-clock period of
-    the driver's held-out evaluation, in seconds; ``hidden=0`` makes the CLI's model a
-    softmax regression. Fields left ``None`` (and ``portions=0``) are automatic:
-    :meth:`resolve` fills them.
+    ``lr`` is the server-side learning rate; ``eval_every_s`` is the least wall-clock
+    period of held-out evaluations, in seconds (Downpour: ``eval_budget`` may space them
+    more); ``hidden=0`` makes the CLI's model a softmax regression. Fields left ``None``
+    (and ``portions=0``) are automatic: :meth:`resolve` fills them.
     """
 
     # data
@@ -143,7 +143,17 @@ class TrainConfig:
              "sandblaster: after the first iteration that many seconds after the last, so 0 "
              "is every iteration)")
     eval_every_s: float = option(0.5, section="run", flag="--eval-every", metavar="SECONDS",
-                                 help="seconds between held-out evaluations")
+                                 help="least seconds between held-out evaluations "
+                                      "(downpour: see --eval-budget) and between its "
+                                      "rejection checks")
+    # evaluation off the critical path (downpour: an evaluator actor, issue 16)
+    eval_budget: float = option(0.05, section="run", metavar="FRACTION",
+                                help="downpour: most of the job's wall time the evaluator "
+                                     "actor may spend evaluating (with --eval-every as the "
+                                     "least period between evaluations, the later one wins)")
+    eval_rows: int = option(1000, section="run", metavar="ROWS",
+                            help="downpour: test rows (a fixed seeded sample) scored during "
+                                 "training; the final evaluation scores the whole test set")
     address: str | None = option(section="run", metavar="HOST:PORT",
                                  help="Ray cluster to join (command line: default "
                                       "$RAY_ADDRESS, else an embedded local Ray)")
@@ -195,6 +205,9 @@ class TrainConfig:
         _at_least("max_rejected", self.max_rejected, 0)
         _positive("lr", self.lr)
         _positive("eval_every_s", self.eval_every_s)
+        if not (isinstance(self.eval_budget, (int, float)) and 0 < self.eval_budget <= 1):
+            raise UserError(f"{flag('eval_budget')} must be in (0, 1] (got {self.eval_budget!r})")
+        _at_least("eval_rows", self.eval_rows, 1)
         if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
             raise UserError(f"{flag('checkpoint_every_s')} must be >= 0 seconds "
                             f"(got {self.checkpoint_every_s})")

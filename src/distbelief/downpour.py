@@ -20,6 +20,7 @@ from torch import nn
 from distbelief.checkpointer import Checkpointer
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
+from distbelief.evaluation import Evaluations
 from distbelief.job import Cadence
 from distbelief.ps.group import ShardSet
 from distbelief.replica import DownpourReplica
@@ -104,7 +105,8 @@ class DownpourSGD(Trainer):
 
         for i in schedule.first(replicas.actors):
             submit(i)
-        evaluation = Cadence(cfg.eval_every_s, due_now=True)
+        evals = Evaluations(job, shards, evaluator, cfg)
+        probe = Cadence(cfg.eval_every_s, due_now=True)  # rejections and dead shards
         checkpoints = Checkpointer(job, shards, self.plan, self._state_names(),
                                    cfg.checkpoint_every_s or float("inf"))
 
@@ -116,14 +118,16 @@ class DownpourSGD(Trainer):
             while pending:
                 if checkpoints.due():
                     checkpoint()
-                if evaluation.due():
-                    evaluate()
+                evals.submit_if_due()
+                if probe.due():
                     shards.retry(lambda: shards.check_rejections(cfg.max_rejected))
-                    evaluation.restart()
-                wake = min(evaluation.at, checkpoints.cadence.at)
-                ready, _ = ray.wait(list(pending), num_returns=1,
+                    probe.restart()
+                wake = min(probe.at, checkpoints.cadence.at, evals.wake())
+                ready, _ = ray.wait(list(pending) + evals.refs(), num_returns=1,
                                     timeout=max(0.0, wake - time.time()))
                 for ref in ready:
+                    if evals.collect(ref):
+                        continue
                     i = pending.pop(ref)
                     try:
                         reply = ray.get(ref)
@@ -141,6 +145,7 @@ class DownpourSGD(Trainer):
                     for j in nxt:
                         submit(j)
         except KeyboardInterrupt:
+            evals.stop()
             replicas.kill()  # stop pushing, so the checkpoint is what the shards hold now
             checkpoint()
             job.log("interrupted", replica_steps=dict(schedule.done))
@@ -148,6 +153,7 @@ class DownpourSGD(Trainer):
         if not replicas.actors:
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
+        evals.stop(collect=True)
         counters.update(replicas.finish())
         checkpoint()
         final = evaluate()

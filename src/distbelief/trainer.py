@@ -8,6 +8,7 @@ actor starts), then :meth:`Trainer.fit` connects to Ray, opens the run (a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import signal
 import threading
@@ -194,6 +195,8 @@ class Evaluator:
     ``subset``: the test examples a periodic evaluation scores (None: all).
     """
 
+    in_actor = True  # a Downpour run may score periodic evaluations in an evaluator actor
+
     def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test,
                  subset: int | None = None) -> None:
         self.flat = FlatModel(model, plan)
@@ -212,6 +215,11 @@ class Evaluator:
                 **fields, **scores)
         job.evaluated(scores)
         return scores
+
+    def sampled(self, rows: np.ndarray) -> Evaluator:
+        """A copy of this evaluator (its own model) scoring only test ``rows``."""
+        test = None if self.test is None else tuple(a[rows].numpy() for a in self.test)
+        return Evaluator(copy.deepcopy(self.flat.model), self.loss_fn, self.plan, test)
 
     @torch.no_grad()
     def score(self, shards: ShardSet, limit: int | None = None) -> dict:
