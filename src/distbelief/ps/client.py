@@ -66,9 +66,17 @@ class PSClient:
 
     def fetch_into(self, flat: np.ndarray) -> list[int]:
         """Overwrite ``flat`` (shape ``(numel,)``) with every shard's slice; returns versions."""
+        return self.fetch_finish(self.fetch_start(), flat)
+
+    def fetch_start(self) -> list[ray.ObjectRef]:
+        """Send a fetch to every shard, after every push sent before it; don't wait."""
         if self._dead:
             self._reconnect_dead()
-        refs = [s.fetch.remote() for s in self.shards]
+        return [s.fetch.remote() for s in self.shards]
+
+    def fetch_finish(self, refs: list[ray.ObjectRef], flat: np.ndarray) -> list[int]:
+        """Wait for :meth:`fetch_start`'s ``refs`` and overwrite ``flat`` with the slices
+        (a dead shard's fetch retried after its restart, with ``names``); the versions."""
         try:
             replies = ray.get(refs)
         except ray.exceptions.RayActorError:

@@ -15,7 +15,7 @@ from torch import nn
 
 from distbelief.flat import FlatModel
 from distbelief.host import LossOf
-from distbelief.ps.client import INLINE_BYTES, PSClient
+from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
 
 
@@ -24,8 +24,8 @@ class FlatHost:
 
     ``names`` (the shards' actor names) let the client survive a shard's restart;
     ``grad_dtype`` is the pushed gradients' wire format; with ``fuse`` a push whose next
-    step fetches, of a gradient small enough to travel inline, also brings the parameters
-    back in the same call per shard.
+    step fetches (of a gradient of any size) also brings the parameters back in the same
+    call per shard.
     """
 
     event_fields: dict = {}
@@ -39,6 +39,7 @@ class FlatHost:
         self.plan, self.fuse, self.replica = plan, fuse, replica
         self.accrued: torch.Tensor | None = None  # created once a step ends without a push
         self._fetched_early = False
+        self._prefetched: list | None = None  # a fetch in flight for the next fetching step
         self.pending: dict[int, torch.Tensor] = {}  # Sandblaster portions awaiting a verdict
         self.batch_sum = torch.zeros(0)  # Sandblaster: the kept portions' gradient sum
 
@@ -47,9 +48,18 @@ class FlatHost:
     def fetch(self, upcoming: Callable[[], np.ndarray] | None = None) -> dict:
         if self._fetched_early:  # the last push brought this step's parameters back
             self._fetched_early = False
+        elif self._prefetched is not None:  # sent after the last push before this step
+            refs, self._prefetched = self._prefetched, None
+            self.client.fetch_finish(refs, self.flat.flat_np)
         else:
             self.client.fetch_into(self.flat.flat_np)
         return {}
+
+    def prefetch(self) -> None:
+        """Send the next fetch now, while the steps before it compute; the loop calls it
+        right after the last push before that fetch, so it sees every push this replica
+        sent (a shard serves one caller's calls in order). :meth:`fetch` waits for it."""
+        self._prefetched = self.client.fetch_start()
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         self.flat.zero_grad()
@@ -77,10 +87,10 @@ class FlatHost:
 
     def push(self, fetch_next: bool = False) -> None:
         """Push the accrued gradient (the step's, if nothing accrued). Fused with the next
-        fetch (see :meth:`PSClient.push_fetch_into`) where ``fetch_next`` and it is small;
-        otherwise it overlaps the next step."""
+        fetch (see :meth:`PSClient.push_fetch_into`) where ``fetch_next``; otherwise it
+        overlaps the next step."""
         grad = self.accrued if self.accrued is not None else self.flat.grad
-        if self.fuse and fetch_next and grad.numel() * 4 <= INLINE_BYTES:
+        if self.fuse and fetch_next:
             self.client.push_fetch_into(grad.numpy(), self.flat.flat_np)
             self._fetched_early = True
         else:
