@@ -62,10 +62,10 @@ class TrainConfig:
     """Everything a training run needs; each field's metadata holds its section and help.
 
     ``steps`` counts mini-batches per replica (warm-start steps included, on replica 0);
-    ``lr`` is the server-side learning rate; ``eval_every_s`` is the wall-clock period of
-    the driver's held-out evaluation, in seconds; ``hidden=0`` makes the CLI's model a
-    softmax regression. Fields left ``None`` (and ``portions=0``) are automatic:
-    :meth:`resolve` fills them.
+    ``lr`` is the server-side learning rate; ``eval_every_s`` is the least wall-clock
+    period of held-out evaluations, in seconds (Downpour: ``eval_budget`` may space them
+    more); ``hidden=0`` makes the CLI's model a softmax regression. Fields left ``None``
+    (and ``portions=0``) are automatic: :meth:`resolve` fills them.
     """
 
     # data
@@ -179,7 +179,17 @@ class TrainConfig:
              "sandblaster: after the first iteration that many seconds after the last, so 0 "
              "is every iteration)")
     eval_every_s: float = option(0.5, section="run", flag="--eval-every", metavar="SECONDS",
-                                 help="seconds between held-out evaluations")
+                                 help="least seconds between held-out evaluations "
+                                      "(downpour: see --eval-budget) and between its "
+                                      "rejection checks")
+    # evaluation off the critical path (downpour: an evaluator actor, issue 16)
+    eval_budget: float = option(0.05, section="run", metavar="FRACTION",
+                                help="downpour: most of the job's wall time the evaluator "
+                                     "actor may spend evaluating (with --eval-every as the "
+                                     "least period between evaluations, the later one wins)")
+    eval_rows: int = option(1000, section="run", metavar="ROWS",
+                            help="downpour: test rows (a fixed seeded sample) scored during "
+                                 "training; the final evaluation scores the whole test set")
     address: str | None = option(section="run", metavar="HOST:PORT",
                                  help="Ray cluster to join (command line: default "
                                       "$RAY_ADDRESS, else an embedded local Ray)")
@@ -210,7 +220,9 @@ class TrainConfig:
                             "holding a meta.json (python -m distbelief.ondisk writes one)")
         _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
         _choice("data_split", self.data_split, SPLITS)
-        self._validate_model()
+        from distbelief.usermodel import check_model_spec
+
+        check_model_spec(self.model, self.model_args, MODELS)
         _at_least("partitions", self.partitions, 1)
         _choice("partition_by", self.partition_by, PARTITION_BY)
         check_gpus(self.device, self.gpus_per_replica, self.partitions, self.click_data)
@@ -231,9 +243,15 @@ class TrainConfig:
             raise UserError(f"{flag('l2')} must be a finite number >= 0 (got {self.l2!r})")
         _at_least("warmstart_steps", self.warmstart_steps, 0)
         _at_least("max_rejected", self.max_rejected, 0)
-        self._check_average()
+        if self.average is not None:
+            from distbelief.ps.average import check_average
+
+            check_average(self.average, "click data" if self.click_data else self.algorithm)
         _positive("lr", self.lr)
         _positive("eval_every_s", self.eval_every_s)
+        if not (isinstance(self.eval_budget, (int, float)) and 0 < self.eval_budget <= 1):
+            raise UserError(f"{flag('eval_budget')} must be in (0, 1] (got {self.eval_budget!r})")
+        _at_least("eval_rows", self.eval_rows, 1)
         if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
             raise UserError(f"{flag('checkpoint_every_s')} must be >= 0 seconds "
                             f"(got {self.checkpoint_every_s})")
@@ -255,30 +273,6 @@ class TrainConfig:
                             "replica 0's steps, so pass a smaller value")
         check_cuda_here(self.device, self.gpus_per_replica, self.address)
         return self
-
-    def _check_average(self) -> None:
-        if self.average is None:
-            return
-        from distbelief.ps.average import parse_average
-
-        parse_average(self.average)
-        if self.algorithm != "downpour" or self.click_data:
-            raise UserError(f"--average averages Downpour's dense shards only, not "
-                            f"{'click data' if self.click_data else self.algorithm}: drop it")
-
-    def _validate_model(self) -> None:
-        """``--model`` is a built-in name or ``MODULE:CALLABLE``; ``--model-arg`` is
-        ``KEY=VALUE`` and only for a factory (imported later, by the CLI)."""
-        from distbelief.usermodel import is_factory_spec, parse_model_args
-
-        if self.model not in MODELS and not is_factory_spec(self.model):
-            raise UserError(f"{flag('model')} {self.model!r} is neither {', '.join(MODELS)} "
-                            "nor MODULE:CALLABLE: write e.g. --model mynets:build or "
-                            "--model ./net.py:build")
-        if self.model_args and self.model in MODELS:
-            raise UserError(f"--model-arg is for --model MODULE:CALLABLE, not the built-in "
-                            f"{self.model}: set it with --hidden or --channels instead")
-        parse_model_args(self.model_args)
 
     @property
     def ranged_updates(self) -> bool:

@@ -21,6 +21,7 @@ from distbelief.checkpointer import Checkpointer
 from distbelief.config import TrainConfig
 from distbelief.devices import gpu_options
 from distbelief.errors import UserError
+from distbelief.evaluation import Evaluations
 from distbelief.job import Cadence
 from distbelief.ps.group import ShardSet
 from distbelief.replica import DATA_COUNTERS, DownpourReplica
@@ -110,7 +111,8 @@ class DownpourSGD(Trainer):
 
         for i in schedule.first(replicas.actors):
             submit(i)
-        evaluation = Cadence(cfg.eval_every_s, due_now=True)
+        evals = Evaluations(job, shards, evaluator, cfg)
+        probe = Cadence(cfg.eval_every_s, due_now=True)  # rejections and dead shards
         checkpoints = Checkpointer(job, shards, self.plan, self._state_names(),
                                    cfg.checkpoint_every_s or float("inf"))
 
@@ -122,14 +124,16 @@ class DownpourSGD(Trainer):
             while pending:
                 if checkpoints.due():
                     checkpoint()
-                if evaluation.due():
-                    evaluate()
+                evals.submit_if_due()
+                if probe.due():
                     shards.retry(lambda: shards.check_rejections(cfg.max_rejected))
-                    evaluation.restart()
-                wake = min(evaluation.at, checkpoints.cadence.at)
-                ready, _ = ray.wait(list(pending), num_returns=1,
+                    probe.restart()
+                wake = min(probe.at, checkpoints.cadence.at, evals.wake())
+                ready, _ = ray.wait(list(pending) + evals.refs(), num_returns=1,
                                     timeout=max(0.0, wake - time.time()))
                 for ref in ready:
+                    if evals.collect(ref):
+                        continue
                     i = pending.pop(ref)
                     try:
                         reply = ray.get(ref)
@@ -148,6 +152,7 @@ class DownpourSGD(Trainer):
                     for j in nxt:
                         submit(j)
         except KeyboardInterrupt:
+            evals.stop()
             replicas.kill()  # stop pushing, so the checkpoint is what the shards hold now
             checkpoint()
             job.log("interrupted", replica_steps=dict(schedule.done))
@@ -155,6 +160,7 @@ class DownpourSGD(Trainer):
         if not replicas.actors:
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
+        evals.stop(collect=True)
         counters.update(replicas.finish())
         for i, read in sorted(data_read.items()):  # where each replica read its rows
             job.log("replica_data", replica=i, **read)

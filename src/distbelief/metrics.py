@@ -48,6 +48,37 @@ def read_events(run_dir: str | Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+STEP_TIMES = ("compute_s", "fetch_wait_s", "push_wait_s", "idle_s")  # a step's breakdown
+
+
+def time_shares(steps: list[dict]) -> dict[int, dict[str, float]]:
+    """Per replica, the share of its step time (summed over its step events that carry a
+    breakdown) spent in each of :data:`STEP_TIMES`; shares sum to 1."""
+    totals: dict[int, dict[str, float]] = {}
+    for e in steps:
+        if all(k in e for k in STEP_TIMES):
+            row = totals.setdefault(e["replica"], dict.fromkeys(STEP_TIMES, 0.0))
+            for k in STEP_TIMES:
+                row[k] += e[k]
+    return {r: {k: v / (sum(row.values()) or 1.0) for k, v in row.items()}
+            for r, row in sorted(totals.items())}
+
+
+def plot_breakdown(ax, steps: list[dict]) -> None:
+    """Stacked bars: where each replica's step time went (compute, fetch/push wait, idle)."""
+    shares = time_shares(steps)
+    replicas = list(shares)
+    bottom = np.zeros(len(replicas))
+    for k in STEP_TIMES:
+        vals = np.array([shares[r][k] for r in replicas])
+        ax.bar([str(r) for r in replicas], vals, bottom=bottom, label=k[:-2].replace("_", " "))
+        bottom += vals
+    if replicas:
+        ax.legend(fontsize="small")
+    ax.set(xlabel="replica", ylabel="share of step time", title="Where replica time goes",
+           ylim=(0, 1))
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Plot training loss and test accuracy against wall time; returns the PNG's path."""
     import matplotlib
@@ -59,7 +90,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     start = min(e["t"] for e in events)
     steps = [e for e in events if e["event"] == "step"]
     evals = [e for e in events if e["event"] == "eval"]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_acc, ax_time) = plt.subplots(1, 3, figsize=(16, 4))
+    plot_breakdown(ax_time, steps)
     if steps:
         t = np.array([e["t"] - start for e in steps])
         loss = np.array([e["loss"] for e in steps])

@@ -53,6 +53,9 @@ class ReplicaLoop:
         self.step = start_step
         self.since_push = 0
         self.slow = float(cfg.slow_replicas.get(index, 1.0))
+        self.segment_end: float | None = None  # perf_counter() when the last segment ended
+        # a host that can send a fetch early offers prefetch(); others fetch at the step
+        self.prefetch = getattr(self.host, "prefetch", None)
 
     def where(self) -> str:
         return cluster.node_id()
@@ -64,13 +67,16 @@ class ReplicaLoop:
     def run(self, n_steps: int) -> dict:
         """Run ``n_steps`` steps; returns their events and this replica's counters."""
         cfg, events = self.cfg, []
+        idle = 0.0 if self.segment_end is None else time.perf_counter() - self.segment_end
         for _ in range(n_steps):
             began = time.perf_counter()
             fetched = self.step % cfg.n_fetch == 0
             fields = self.host.fetch(self._upcoming) if fetched else self.host.event_fields
+            fetch_wait = time.perf_counter() - began
             x_np, y_np = self.ahead.popleft() if self.ahead else next(self.batches)
             x, y = on_device(self.device, torch.from_numpy(x_np), torch.from_numpy(y_np))
             loss = self.host.forward_backward(x, lambda out, y=y: self.loss_fn(out, y))
+            computed = time.perf_counter()
             self.since_push += 1
             pushed = self.since_push == cfg.n_push
             if pushed:
@@ -78,14 +84,28 @@ class ReplicaLoop:
             fetch_next = (self.step + 1) % cfg.n_fetch == 0
             local = cfg.local_update and not fetch_next
             self.host.end_step(pushed, cfg.lr if local else None, fetch_next)
+            if pushed and self.prefetch is not None and self._no_push_before_fetch():
+                self.prefetch()
+            push_wait = time.perf_counter() - computed
             if self.slow > 1.0:
                 time.sleep((self.slow - 1.0) * (time.perf_counter() - began))
             events.append({"t": time.time(), "replica": self.index, "step": self.step,
                            "loss": loss, "versions": self.host.versions(),
-                           "fetched": fetched, "pushed": pushed, **fields})
+                           "fetched": fetched, "pushed": pushed, **fields,
+                           **step_times(computed - began - fetch_wait, fetch_wait, push_wait,
+                                        idle)})
+            idle = 0.0
             self.step += 1
+        self.segment_end = time.perf_counter()
         return {"events": events, "step": self.step, **self.host.after_run(events),
                 **self.data_counters()}
+
+    def _no_push_before_fetch(self) -> bool:
+        """Whether the push just sent at the end of this step is the last one before the
+        next fetch, and that fetch is not at the very next step (which fetches anyway, or
+        gets its parameters from a fused push+fetch)."""
+        next_fetch = (self.step // self.cfg.n_fetch + 1) * self.cfg.n_fetch
+        return self.step + 1 < next_fetch <= self.step + self.cfg.n_push
 
     def _upcoming(self) -> np.ndarray:
         """The inputs of the batches from this step until the next fetch (drawn ahead)."""
@@ -108,6 +128,16 @@ class ReplicaLoop:
 
     def counters(self) -> dict:
         return self.host.counters()
+
+
+def step_times(compute_s: float, fetch_wait_s: float, push_wait_s: float, idle_s: float
+               ) -> dict[str, float]:
+    """A step event's time breakdown, seconds: ``compute_s`` (forward and backward),
+    ``fetch_wait_s`` (waiting for a fetch's parameters), ``push_wait_s`` (sending a push,
+    waiting for its acknowledgement or for a fused push+fetch's parameters, and the local
+    update), ``idle_s`` (waiting for the driver's next segment; on a segment's first step)."""
+    return {"compute_s": compute_s, "fetch_wait_s": fetch_wait_s, "push_wait_s": push_wait_s,
+            "idle_s": idle_s}
 
 
 DownpourReplica = ray.remote(ReplicaLoop)  # the replica actor; its methods are remote methods

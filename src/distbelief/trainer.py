@@ -8,6 +8,7 @@ actor starts), then :meth:`Trainer.fit` connects to Ray, opens the run (a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import signal
 import sys
@@ -251,6 +252,8 @@ class Evaluator:
     buffers shard 0 holds, so test data changes no state.
     """
 
+    in_actor = True  # a Downpour run may score periodic evaluations in an evaluator actor
+
     def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test,
                  subset: int | None = None, average: str | None = None) -> None:
         self.flat = FlatModel(model, plan)
@@ -269,26 +272,25 @@ class Evaluator:
         whenever one is kept) and buffers, score them, log an ``eval`` event (its
         ``evaluated`` says which, when an average is kept); the scores."""
         averaged = self.average is not None if averaged is None else averaged
-        versions = self.load(shards, averaged)
+        versions = self.load(shards.handles(), averaged)
         scores = self.score(shards, self.subset)
         fields = {} if self.subset is None else {"subset": self.subset}
-        if self.average is not None:
-            fields["evaluated"] = str(parse_average(self.average)) if averaged else "last"
+        fields.update(self.evaluated_field(averaged))
         job.log("eval", updates=sum(versions), versions=versions, elapsed_s=job.elapsed_s(),
                 **fields, **scores)
         job.evaluated(scores)
         return scores
 
-    def load(self, shards: ShardSet, averaged: bool = False) -> list[int]:
-        """Load the shards' parameters (their ``--average`` if ``averaged``) and shard 0's
-        buffers into the model; the shard versions."""
-        client = PSClient(shards.handles(), self.plan)
+    def load(self, handles: list, averaged: bool = False) -> list[int]:
+        """Load the parameters of the shards with actor ``handles`` (their ``--average`` if
+        ``averaged``) and shard 0's buffers into the model; the shard versions."""
+        client = PSClient(handles, self.plan)
         if averaged:
             versions = client.fetch_average_into(self.flat.flat_np)
         else:
             versions = client.fetch_into(self.flat.flat_np)
         if self.buffer_plan:
-            served = ray.get(shards.handles()[0].fetch_buffers.remote())
+            served = ray.get(handles[0].fetch_buffers.remote())
             if served is not None:
                 self.buffer_plan.write(self.flat.model, *served)
         return versions
@@ -297,6 +299,29 @@ class Evaluator:
         """The model's travelling buffers by name (what params.safetensors holds besides the
         parameters)."""
         return self.buffer_plan.named(self.flat.model)
+
+    def sampled(self, rows: np.ndarray) -> Evaluator:
+        """A copy of this evaluator (its own model) scoring only test ``rows``."""
+        if self.test is None:
+            test = None
+        elif isinstance(self.test, Rows):
+            test = self.test.rows(rows)
+        else:
+            test = tuple(a[rows].numpy() for a in self.test)
+        return Evaluator(copy.deepcopy(self.flat.model), self.loss_fn, self.plan, test,
+                         average=self.average)
+
+    def test_rows(self) -> int:
+        """How many test examples there are (0 without a test set)."""
+        if self.test is None:
+            return 0
+        return len(self.test) if isinstance(self.test, Rows) else len(self.test[0])
+
+    def evaluated_field(self, averaged: bool) -> dict:
+        """The ``evaluated`` field of an ``eval`` event: which parameters were scored."""
+        if self.average is None:
+            return {}
+        return {"evaluated": str(parse_average(self.average)) if averaged else "last"}
 
     @torch.no_grad()
     def score(self, shards: ShardSet, limit: int | None = None) -> dict:

@@ -199,3 +199,16 @@ def check_fits(spec: str, model: nn.Module, input_shape: tuple[int, ...], classe
         raise UserError(f"--model {spec} maps a batch of shape {tuple(shape)} to {got}, not "
                         f"{(batch, classes)}: end the network with {classes} outputs "
                         "(one logit per class)")
+
+
+def check_model_spec(model: str, model_args: Iterable[str], builtins: tuple[str, ...]) -> None:
+    """``--model`` is a built-in name or ``MODULE:CALLABLE``; ``--model-arg`` is ``KEY=VALUE``
+    and only for a factory (imported later, by the CLI). One-line :class:`UserError` if not."""
+    if model not in builtins and not is_factory_spec(model):
+        raise UserError(f"--model {model!r} is neither {', '.join(builtins)} nor "
+                        "MODULE:CALLABLE: write e.g. --model mynets:build or "
+                        "--model ./net.py:build")
+    if model_args and model in builtins:
+        raise UserError(f"--model-arg is for --model MODULE:CALLABLE, not the built-in "
+                        f"{model}: set it with --hidden or --channels instead")
+    parse_model_args(model_args)

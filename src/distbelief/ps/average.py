@@ -91,3 +91,12 @@ class ParamAverage:
         else:
             np.copyto(self.values, params)
             self.count = 0
+
+
+def check_average(spec: str, trainer: str) -> None:
+    """``--average`` parses and the run is Downpour on dense shards (``trainer``: the
+    algorithm, or ``"click data"``); one-line :class:`UserError` if not."""
+    parse_average(spec)
+    if trainer != "downpour":
+        raise UserError(f"--average averages Downpour's dense shards only, not {trainer}: "
+                        "drop it")

@@ -75,10 +75,19 @@ class PSClient:
     def fetch_into(self, flat: np.ndarray, buffers: bool = False) -> list[int]:
         """Overwrite ``flat`` (shape ``(numel,)``) with every shard's slice; returns versions.
         ``buffers``: also get the model's buffers from shard 0 (into :attr:`buffers`)."""
+        return self.fetch_finish(self.fetch_start(buffers), flat, buffers)
+
+    def fetch_start(self, buffers: bool = False) -> list[ray.ObjectRef]:
+        """Send a fetch to every shard, after every push sent before it; don't wait."""
         if self._dead:
             self._reconnect_dead()
-        refs = [s.fetch.remote(True) if buffers and i == 0 else s.fetch.remote()
+        return [s.fetch.remote(True) if buffers and i == 0 else s.fetch.remote()
                 for i, s in enumerate(self.shards)]
+
+    def fetch_finish(self, refs: list[ray.ObjectRef], flat: np.ndarray,
+                     buffers: bool = False) -> list[int]:
+        """Wait for :meth:`fetch_start`'s ``refs`` and overwrite ``flat`` with the slices
+        (a dead shard's fetch retried after its restart, with ``names``); the versions."""
         try:
             replies = ray.get(refs)
         except ray.exceptions.RayActorError:

@@ -17,7 +17,7 @@ from distbelief.devices import DeviceBuffers, replica_device
 from distbelief.flat import FlatModel
 from distbelief.host import LossOf
 from distbelief.ps.buffers import BufferPlan, BufferReporter
-from distbelief.ps.client import INLINE_BYTES, PSClient
+from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
 
 
@@ -26,8 +26,8 @@ class FlatHost:
 
     ``names`` (the shards' actor names) let the client survive a shard's restart;
     ``grad_dtype`` is the pushed gradients' wire format; with ``fuse`` a push whose next
-    step fetches, of a gradient small enough to travel inline, also brings the parameters
-    back in the same call per shard. ``device`` (cpu, cuda, auto: see
+    step fetches (of a gradient of any size) also brings the parameters back in the same
+    call per shard. ``device`` (cpu, cuda, auto: see
     :func:`~distbelief.devices.replica_device`) is where the model and gradients live; off
     CPU (or with ``staged``, which tests use on CPU), parameters and gradients pass through
     reusable host buffers (:class:`DeviceBuffers`). A model with buffers (BatchNorm
@@ -53,6 +53,7 @@ class FlatHost:
         self.plan, self.fuse, self.replica = plan, fuse, replica
         self.accrued: torch.Tensor | None = None  # created once a step ends without a push
         self._fetched_early = False
+        self._prefetched: list | None = None  # a fetch in flight for the next fetching step
         self.pending: dict[int, torch.Tensor] = {}  # Sandblaster portions awaiting a verdict
         self.batch_sum = torch.zeros(0)  # Sandblaster: the kept portions' gradient sum
 
@@ -61,6 +62,9 @@ class FlatHost:
     def fetch(self, upcoming: Callable[[], np.ndarray] | None = None) -> dict:
         if self._fetched_early:  # the last push brought this step's parameters back
             self._fetched_early = False
+        elif self._prefetched is not None:  # sent after the last push before this step
+            refs, self._prefetched = self._prefetched, None
+            self.client.fetch_finish(refs, self._params_np)
         else:
             self.client.fetch_into(self._params_np, buffers=self.buffers is not None)
             self._load_buffers()
@@ -71,6 +75,13 @@ class FlatHost:
     def _load_buffers(self) -> None:
         if self.buffers is not None:
             self.buffers.load(self.client.buffers)
+
+    def prefetch(self) -> None:
+        """Send the next fetch now, while the steps before it compute; the loop calls it
+        right after the last push before that fetch, so it sees every push this replica
+        sent (a shard serves one caller's calls in order). :meth:`fetch` waits for it."""
+        if self.buffers is None:  # a model with buffers fetches them with its parameters
+            self._prefetched = self.client.fetch_start()
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         self.flat.zero_grad()
@@ -98,11 +109,11 @@ class FlatHost:
 
     def push(self, fetch_next: bool = False) -> None:
         """Push the accrued gradient (the step's, if nothing accrued). Fused with the next
-        fetch (see :meth:`PSClient.push_fetch_into`) where ``fetch_next`` and it is small;
-        otherwise it overlaps the next step."""
+        fetch (see :meth:`PSClient.push_fetch_into`) where ``fetch_next``; otherwise it
+        overlaps the next step."""
         grad = self.accrued if self.accrued is not None else self.flat.grad
         report = None if self.buffers is None else self.buffers.report()
-        if self.fuse and fetch_next and grad.numel() * 4 <= INLINE_BYTES:
+        if self.fuse and fetch_next:
             self.client.push_fetch_into(self._host_np(grad), self._params_np, buffers=report)
             self._load_buffers()
             self._fetched_early = True

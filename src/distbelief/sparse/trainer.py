@@ -56,6 +56,7 @@ class SparseEvaluator(Evaluator):
     def __init__(self, model: nn.Module, loss_fn: nn.Module, plan: ShardPlan, test,
                  specs: list[TableSpec]) -> None:
         super().__init__(model, loss_fn, plan, test, subset=EVAL_SUBSET)
+        self.in_actor = False  # scores with the row shards: stays in the driver
         self.specs = specs
 
     def score(self, shards: RowShardGroup, limit: int | None = None) -> dict:

@@ -1,0 +1,149 @@
+"""Held-out evaluation off the driver's hot loop: a budgeted cadence and an evaluator actor.
+
+During a Downpour run an :data:`EvalActor` fetches the shards' current parameters itself
+and scores a fixed seeded sample of the test set; the driver only submits to it and
+collects its reply in the same ``ray.wait`` as the replicas' segments. :class:`EvalBudget`
+says when the next evaluation may start: an evaluation that took ``d`` seconds is followed
+by ``d / budget - d`` seconds without one (so evaluating takes at most ``budget`` of the
+wall time), and never sooner than ``min_period_s`` after the last one started.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import ray
+import torch
+
+
+class EvalBudget:
+    """When the next evaluation is due (wall-clock seconds, ``time.time()``).
+
+    ``budget``: the largest fraction of wall time spent evaluating, in (0, 1];
+    ``min_period_s``: the least time between two starts. The later bound wins.
+    """
+
+    def __init__(self, budget: float, min_period_s: float, now: float) -> None:
+        self.budget, self.min_period_s = budget, min_period_s
+        self.at = now  # the first evaluation is due at once
+
+    def due(self, now: float) -> bool:
+        return now >= self.at
+
+    def done(self, started: float, duration_s: float) -> None:
+        """An evaluation started at ``started`` took ``duration_s`` seconds: set the next."""
+        rest = duration_s / self.budget - duration_s
+        self.at = max(started + duration_s + rest, started + self.min_period_s)
+
+
+def sample_rows(n: int, k: int, seed: int) -> np.ndarray:
+    """A fixed seeded sample of ``min(n, k)`` of ``n`` test rows, in ascending order."""
+    if k >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=k, replace=False))
+
+
+class EvalWorker:
+    """Scores the shards' current parameters with ``evaluator`` (an
+    :class:`~distbelief.trainer.Evaluator` over the sampled test rows), one thread."""
+
+    def __init__(self, evaluator) -> None:
+        torch.set_num_threads(1)
+        self.evaluator = evaluator
+
+    def evaluate(self, shards: list) -> dict:
+        """Fetch from ``shards`` (the shards' current handles) and score; the scores, the
+        shard versions, when the fetch began (``t``, seconds since the epoch) and how long
+        the whole evaluation took (``duration_s``). A dead shard raises ``RayActorError``."""
+        ev, began = self.evaluator, time.perf_counter()
+        t = time.time()
+        averaged = ev.average is not None
+        versions = ev.load(shards, averaged)
+        scores = ev.score(None)
+        return {"t": t, "versions": versions, "scores": {**scores, **ev.evaluated_field(averaged)},
+                "duration_s": time.perf_counter() - began}
+
+
+EvalActor = ray.remote(EvalWorker)  # the evaluator actor; its methods are remote methods
+
+
+class Evaluations:
+    """The driver's side of periodic evaluations: submit one to the evaluator actor when
+    :class:`EvalBudget` allows, collect its reply as an ``eval`` event. An evaluator that
+    cannot run in an actor (``evaluator.in_actor`` false: sparse models) is called in the
+    driver instead, every ``eval_every_s`` as before.
+
+    ``job`` is the run's :class:`~distbelief.job.Job`, ``shards`` its
+    :class:`~distbelief.ps.group.ShardSet`, ``evaluator`` the driver's
+    :class:`~distbelief.trainer.Evaluator`, ``cfg`` the run's config.
+    """
+
+    def __init__(self, job, shards, evaluator, cfg) -> None:
+        self.job, self.shards, self.evaluator = job, shards, evaluator
+        self.budget = EvalBudget(cfg.eval_budget, cfg.eval_every_s, time.time())
+        self.ref: ray.ObjectRef | None = None
+        self.started = 0.0
+        self.actor = None
+        if evaluator.in_actor:
+            n_test = evaluator.test_rows()
+            self.rows = sample_rows(n_test, cfg.eval_rows, cfg.seed)
+            self.fields = {"subset": len(self.rows)} if len(self.rows) < n_test else {}
+            self._start_actor()
+
+    def _start_actor(self) -> None:
+        self.actor = EvalActor.options(num_cpus=0).remote(self.evaluator.sampled(self.rows))
+
+    def submit_if_due(self) -> None:
+        """Start an evaluation if none is running and the budget allows one now."""
+        now = time.time()
+        if self.ref is not None or not self.budget.due(now):
+            return
+        if self.actor is None:  # in the driver; also notices a dead shard and revives it
+            self.shards.retry(lambda: self.evaluator.evaluate(self.job, self.shards))
+            self.budget.done(time.time(), 0.0)
+            return
+        self.started = now
+        self.ref = self.actor.evaluate.remote(self.shards.handles())
+
+    def wake(self) -> float:
+        """When the driver should look again (the next start; ``inf`` while one runs)."""
+        return float("inf") if self.ref is not None else self.budget.at
+
+    def refs(self) -> list[ray.ObjectRef]:
+        """The running evaluation's reply, to wait on with the replicas' segments."""
+        return [] if self.ref is None else [self.ref]
+
+    def collect(self, ref: ray.ObjectRef) -> bool:
+        """Log the evaluation whose reply ``ref`` is ready; False if ``ref`` is not one.
+
+        A failed one (a shard died under its fetch, or the evaluator died) revives the
+        dead shard through the driver's probe, restarts a dead evaluator, and is retried
+        ``eval_every_s`` after it started."""
+        if self.ref is None or ref != self.ref:
+            return False
+        self.ref = None
+        try:
+            reply = ray.get(ref)
+        except ray.exceptions.RayError as err:
+            if not isinstance(err, ray.exceptions.RayTaskError):
+                self._start_actor()  # the evaluator itself died
+            self.shards.retry(self.shards.stats)
+            self.budget.done(self.started, 0.0)
+            return True
+        t, versions, scores = reply["t"], reply["versions"], reply["scores"]
+        self.job.log("eval", t=t, updates=sum(versions), versions=versions,
+                     elapsed_s=t - self.job.began, **self.fields, **scores)
+        self.job.evaluated(scores)
+        self.budget.done(self.started, reply["duration_s"])
+        return True
+
+    def stop(self, collect: bool = False) -> None:
+        """End the evaluator actor; with ``collect`` first wait for the running evaluation
+        and log it (so even a run shorter than the actor's start has one), else forget it."""
+        if collect and self.ref is not None:
+            self.collect(self.ref)
+        self.ref = None
+        if self.actor is not None:
+            ray.kill(self.actor)
+            self.actor = None

@@ -1,0 +1,167 @@
+"""Issue 16 without Ray: the evaluation budget and sample, and the step-time breakdown
+(on a fake clock that the host advances, so nothing depends on real timings)."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from distbelief import replica as replica_module
+from distbelief.config import TrainConfig
+from distbelief.errors import UserError
+from distbelief.evaluation import EvalBudget, sample_rows
+from distbelief.replica import ReplicaLoop
+
+BREAKDOWN = ("compute_s", "fetch_wait_s", "push_wait_s", "idle_s")
+
+
+def test_budget_spaces_evaluations_by_their_cost_and_the_least_period():
+    budget = EvalBudget(0.05, 0.5, now=100.0)
+    assert budget.due(100.0)
+    budget.done(started=100.0, duration_s=0.2)  # 0.2 s is 5% of 4 s: next at 104
+    assert budget.at == pytest.approx(104.0)
+    assert not budget.due(103.9) and budget.due(104.0)
+    budget.done(started=104.0, duration_s=0.001)  # cheap: the least period wins
+    assert budget.at == pytest.approx(104.5)
+
+
+def test_the_sample_is_fixed_by_the_seed_sorted_and_never_larger_than_the_set():
+    a, b = sample_rows(5000, 1000, seed=3), sample_rows(5000, 1000, seed=3)
+    np.testing.assert_array_equal(a, b)
+    assert len(np.unique(a)) == 1000 and np.all(np.diff(a) > 0) and a.max() < 5000
+    assert not np.array_equal(a, sample_rows(5000, 1000, seed=4))
+    np.testing.assert_array_equal(sample_rows(300, 1000, seed=3), np.arange(300))
+
+
+@pytest.mark.parametrize("field, value", [("eval_budget", 0.0), ("eval_budget", 1.5),
+                                          ("eval_rows", 0)])
+def test_bad_evaluation_settings_are_refused_naming_the_flag(field, value):
+    with pytest.raises(UserError, match=field.replace("_", "-")):
+        TrainConfig(**{field: value}).validate()
+
+
+class ClockHost:
+    """A ParamHost that advances a fake clock: a fetch 1 s, a compute 2 s, a push 0.5 s."""
+
+    event_fields: dict = {}
+
+    def __init__(self, clock: list[float], replica: int) -> None:
+        self.clock, self.calls = clock, []
+
+    def fetch(self, upcoming):
+        self.calls.append("fetch")
+        self.clock[0] += 1.0
+        return {}
+
+    def forward_backward(self, x, loss_of):
+        self.calls.append("compute")
+        self.clock[0] += 2.0
+        return float(loss_of(torch.zeros(len(x), 2)))
+
+    def end_step(self, push, local_lr, fetch_next):
+        self.calls.append("push" if push else "end")
+        self.clock[0] += 0.5 if push else 0.0
+
+    def versions(self):
+        return [0]
+
+    def after_run(self, events):
+        return {}
+
+
+def test_every_step_event_breaks_its_time_down_and_idle_goes_to_a_segments_first_step(
+        monkeypatch):
+    clock = [0.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: clock[0],
+                                 sleep=lambda s: None)
+    monkeypatch.setattr(replica_module, "time", fake)
+    cfg = TrainConfig(replicas=1, batch_size=2, n_fetch=2, n_push=1, lr=0.1)
+    x, y = np.zeros((8, 2), np.float32), np.zeros(8, np.int64)
+    loop = ReplicaLoop(0, lambda replica: ClockHost(clock, replica),
+                       torch.nn.CrossEntropyLoss(), x, y, cfg)
+    first = loop.run(3)["events"]
+    clock[0] += 7.0  # the replica waits this long for the driver's next segment
+    second = loop.run(1)["events"]
+    events = first + second
+    for e in events:
+        assert all(isinstance(e[k], float) and e[k] >= 0 for k in BREAKDOWN)
+        assert e["compute_s"] == 2.0 and e["push_wait_s"] == 0.5
+    assert [e["fetch_wait_s"] for e in events] == [1.0, 0.0, 1.0, 0.0]
+    assert [e["fetched"] for e in events] == [True, False, True, False]
+    assert [e["idle_s"] for e in events] == [0.0, 0.0, 0.0, 7.0]
+
+
+def test_time_shares_sum_to_one_per_replica_and_skip_steps_without_a_breakdown():
+    from distbelief.metrics import time_shares
+
+    steps = [{"replica": 1, "compute_s": 3.0, "fetch_wait_s": 1.0, "push_wait_s": 0.0,
+              "idle_s": 0.0},
+             {"replica": 0, "compute_s": 1.0, "fetch_wait_s": 0.0, "push_wait_s": 1.0,
+              "idle_s": 2.0},
+             {"replica": 0, "loss": 1.0}]
+    shares = time_shares(steps)
+    assert list(shares) == [0, 1]
+    assert shares[0] == {"compute_s": 0.25, "fetch_wait_s": 0.0, "push_wait_s": 0.25,
+                         "idle_s": 0.5}
+    assert shares[1]["compute_s"] == 0.75 and sum(shares[1].values()) == 1.0
+
+
+class PrefetchHost:
+    """A ParamHost that can send a fetch early; records the loop's calls by step."""
+
+    event_fields: dict = {}
+
+    def __init__(self, replica: int) -> None:
+        self.calls: list[tuple] = []
+
+    def fetch(self, upcoming):
+        self.calls.append(("fetch",))
+        return {}
+
+    def prefetch(self):
+        self.calls.append(("prefetch",))
+
+    def forward_backward(self, x, loss_of):
+        self.calls.append(("compute",))
+        return float(loss_of(torch.zeros(len(x), 2)))
+
+    def end_step(self, push, local_lr, fetch_next):
+        self.calls.append(("push", fetch_next) if push else ("end",))
+
+    def versions(self):
+        return [0]
+
+    def after_run(self, events):
+        return {}
+
+
+def run_calls(n_fetch: int, n_push: int, steps: int) -> list[tuple]:
+    cfg = TrainConfig(replicas=1, batch_size=2, n_fetch=n_fetch, n_push=n_push, lr=0.1)
+    x, y = np.zeros((8, 2), np.float32), np.zeros(8, np.int64)
+    loop = ReplicaLoop(0, PrefetchHost, torch.nn.CrossEntropyLoss(), x, y, cfg)
+    loop.run(steps)
+    return loop.host.calls
+
+
+def test_the_next_fetch_is_sent_right_after_the_last_push_before_it():
+    calls = run_calls(n_fetch=4, n_push=3, steps=12)
+    # pushes end steps 2, 5, 8, 11; fetches start steps 0, 4, 8. After step 2's push no
+    # other push comes before step 4's fetch: that fetch is sent then, and waited for at
+    # step 4; likewise after step 5's for step 8. Step 8's push is followed by step 11's,
+    # which is fused with step 12's fetch, so nothing is sent early then.
+    assert [c for c in calls if c[0] != "compute" and c != ("end",)] == [
+        ("fetch",), ("push", False), ("prefetch",), ("fetch",), ("push", False),
+        ("prefetch",), ("fetch",), ("push", False), ("push", True)]
+    computes = [i for i, c in enumerate(calls) if c == ("compute",)]
+    prefetches = [i for i, c in enumerate(calls) if c == ("prefetch",)]
+    fetches = [i for i, c in enumerate(calls) if c == ("fetch",)]
+    # each early fetch is sent before the computes of the steps before its fetching step
+    assert computes[3] > prefetches[0] > computes[2] and fetches[1] < computes[4]
+    assert computes[6] > prefetches[1] > computes[5] and fetches[2] < computes[8]
+
+
+@pytest.mark.parametrize("n_fetch, n_push", [(1, 1), (3, 1), (2, 2), (3, 3), (1, 4)])
+def test_no_fetch_is_sent_early_where_the_push_before_it_is_fused_or_the_next_step_fetches(
+        n_fetch, n_push):
+    assert ("prefetch",) not in run_calls(n_fetch, n_push, steps=12)

@@ -1,0 +1,66 @@
+"""Issue 16 on a real (embedded) Ray session: the evaluator actor's events, the fused
+push+fetch of a gradient too large to travel inline and a fetch sent early, counted (no
+timings)."""
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from distbelief import DownpourSGD, data, models
+from distbelief.ps.client import INLINE_BYTES
+from distbelief.ps.host import FlatHost
+from distbelief.ps.plan import ShardPlan
+from distbelief.ps.shard import ParameterShard
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def test_a_large_push_fuses_with_the_next_fetch_and_an_early_fetch_sees_the_last_push():
+    model = torch.nn.Linear(200, 200)  # 40,200 parameters: 80 kB a shard, 160 kB in all
+    plan = ShardPlan.build([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
+    flat = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    assert flat.nbytes > INLINE_BYTES
+    shards = [ParameterShard.remote(s, part, "sgd", 0.5) for s, part in
+              enumerate(plan.split_flat(flat))]
+    host = FlatHost(model, plan, shards)
+    host.fetch()
+    flat = host.flat.flat_np.copy()
+    host.forward_backward(torch.ones(3, 200), lambda out: out.sum())
+    grad = host.flat.grad.clone()
+    host.end_step(True, None, fetch_next=True)  # push + fetch, fused
+    assert (host.client.pushes, host.client.fetches) == (1, 2)
+    host.fetch()  # the fused call already brought these parameters: no second call
+    assert host.client.fetches == 2 and host.versions() == [1, 1]
+    np.testing.assert_allclose(host.flat.flat_np, flat - 0.5 * grad.numpy(), rtol=1e-6)
+    host.end_step(True, None, fetch_next=False)  # a push alone: no fetch
+    assert (host.client.pushes, host.client.fetches) == (2, 2)
+    host.prefetch()  # sent after that push: it must see it
+    host.forward_backward(torch.ones(3, 200), lambda out: out.sum())
+    host.fetch()
+    assert host.client.fetches == 3 and host.versions() == [2, 2]
+    host.finish(False)
+    for s in shards:
+        ray.kill(s)
+
+
+def test_the_evaluator_actor_scores_a_sample_during_training_and_all_at_the_end():
+    ds = data.digits()
+    trainer = DownpourSGD(models.mlp(ds.features, 16, ds.classes, 0), replicas=2, shards=2,
+                          steps=150, batch_size=16, lr=0.05, eval_every_s=0.05,
+                          eval_budget=1.0, eval_rows=50, seed=0)
+    result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+    evals = [e for e in result.events if e["event"] == "eval"]
+    *periodic, whole = evals  # the final evaluation also logs an eval event, of all rows
+    assert "subset" not in whole
+    assert len(periodic) >= 1  # the first is submitted at the start and collected at the end
+    for e in periodic:
+        assert e["subset"] == 50 and 0 <= e["test_accuracy"] <= 1 and e["test_loss"] > 0
+        assert e["updates"] == sum(e["versions"]) and e["elapsed_s"] >= 0
+    assert [e["updates"] for e in evals] == sorted(e["updates"] for e in evals)
+    [final] = [e for e in result.events if e["event"] == "final"]
+    assert "subset" not in final and final["updates"] == 2 * 150
+    assert whole["updates"] == 2 * final["updates"]  # 2 shards: each push counts twice
+    steps = [e for e in result.events if e["event"] == "step"]
+    assert all(e[k] >= 0 for e in steps for k in ("compute_s", "fetch_wait_s",
+                                                   "push_wait_s", "idle_s"))
