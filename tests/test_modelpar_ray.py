@@ -100,7 +100,7 @@ def test_each_partition_fetches_and_pushes_exactly_its_own_parameters():
     names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     shard_plan = ShardPlan.build(names, 3)
     flat = shard_plan.flatten({n: p.detach().numpy() for n, p in model.named_parameters()})
-    shards = [ParameterShard.remote(i, part, "sgd", 1.0, 0.0)
+    shards = [ParameterShard.remote(i, part, "sgd", 1.0, 0.0, rows=True)
               for i, part in enumerate(shard_plan.split_flat(flat))]
     reference = copy.deepcopy(model)
     loss_of(reference(x)).backward()
