@@ -51,16 +51,7 @@ def test_one_replica_sgd_equals_torch_sgd_step_for_step(digits):
                          lr=lr, batch_size=bs, steps=steps, seed=seed).fit(
         digits.x_train, digits.y_train)
     opt = torch.optim.SGD(reference.parameters(), lr=lr)
-    sampler = ReplicaSampler(len(digits.x_train), 0, 1, bs, seed)
-    x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
-    ref_losses = []
-    for k in range(steps):
-        rows = torch.from_numpy(sampler.batch(k))
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(reference(x[rows]), y[rows])
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses = reference_losses(reference, opt, None, digits, bs, seed, steps)
     losses = [e["loss"] for e in steps_of(result, 0)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
     for name, p in reference.named_parameters():
@@ -84,17 +75,7 @@ def test_one_replica_adam_equals_torch_adam_step_for_step(digits, shards, betas,
                          seed=seed).fit(digits.x_train, digits.y_train)
     opt = torch.optim.Adam(reference.parameters(), lr=lr, betas=betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, parse_schedule(schedule).factor)
-    sampler = ReplicaSampler(len(digits.x_train), 0, 1, bs, seed)
-    x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
-    ref_losses = []
-    for k in range(steps):
-        rows = torch.from_numpy(sampler.batch(k))
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(reference(x[rows]), y[rows])
-        loss.backward()
-        opt.step()
-        sched.step()
-        ref_losses.append(loss.item())
+    ref_losses = reference_losses(reference, opt, sched, digits, bs, seed, steps)
     losses = [e["loss"] for e in steps_of(result, 0)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
     for name, p in reference.named_parameters():
@@ -244,3 +225,21 @@ def test_too_many_rejections_abort_the_run(digits):
                           steps=2000, max_rejected=10, eval_every_s=0.2)
     with pytest.raises(UserError, match="more than --max-rejected 10"):
         trainer.fit(digits.x_train, digits.y_train)
+
+
+def reference_losses(model, opt, sched, digits, bs: int, seed: int, steps: int) -> list[float]:
+    """One process training ``model`` with ``opt`` (and ``sched``) on replica 0's batches of
+    a 1-replica run: the oracle a Downpour run with n_fetch = n_push = 1 must equal."""
+    sampler = ReplicaSampler(len(digits.x_train), 0, 1, bs, seed)
+    x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
+    losses = []
+    for k in range(steps):
+        rows = torch.from_numpy(sampler.batch(k))
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses

@@ -104,13 +104,13 @@ def _decay(where: str, kind: str, args: list[str]) -> dict:
         if len(args) not in (1, 2):
             raise UserError(f"{where}: write cosine:T or cosine:T:FLOOR (FLOOR a fraction "
                             "of --lr in [0, 1])")
-        floor = _number(where, args[1]) if len(args) == 2 else 0.0
+        floor = finite_number(where, args[1]) if len(args) == 2 else 0.0
         if not 0.0 <= floor <= 1.0:
             raise UserError(f"{where}: FLOOR is a fraction of --lr and must be in [0, 1] "
                             f"(got {floor:g})")
         return {"decay": "cosine", "period": _count(where, args[0]), "floor": floor}
     _arity(where, args, 2, "step:N:GAMMA (GAMMA in (0, 1])")
-    gamma = _number(where, args[1])
+    gamma = finite_number(where, args[1])
     if not 0.0 < gamma <= 1.0:
         raise UserError(f"{where}: GAMMA must be in (0, 1] (got {gamma:g})")
     return {"decay": "step", "period": _count(where, args[0]), "gamma": gamma}
@@ -131,7 +131,8 @@ def _count(where: str, text: str) -> int:
     return value
 
 
-def _number(where: str, text: str) -> float:
+def finite_number(where: str, text: str) -> float:
+    """``text`` as a finite float; a one-line :class:`UserError` naming ``where`` if not."""
     try:
         value = float(text)
     except ValueError:

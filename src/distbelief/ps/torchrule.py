@@ -17,7 +17,6 @@ the whole tensor): LBFGS, SparseAdam, Adafactor and Muon are refused.
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from distbelief.errors import UserError
-from distbelief.ps.schedules import CONSTANT, Schedule, scheduled_lr
+from distbelief.ps.schedules import CONSTANT, Schedule, finite_number, scheduled_lr
 
 State = dict[str, np.ndarray]
 
@@ -129,28 +128,18 @@ def _typed(where: str, value: object, default: object) -> object:
             return False
         raise UserError(f"{where}={value}: pass true or false")
     if isinstance(default, tuple):
-        numbers = [_number(where, value, part) for part in text.split(",")]
+        numbers = [finite_number(f"{where}={value}", part) for part in text.split(",")]
         if len(numbers) != len(default):
             raise UserError(f"{where}={value}: pass {len(default)} comma-separated numbers, "
                             f"e.g. {','.join(f'{d:g}' for d in default)}")
         return tuple(numbers)
     if default is None or isinstance(default, (int, float)):
-        number = _number(where, value, text)
+        number = finite_number(f"{where}={value}", text)
         if isinstance(default, int) and number.is_integer() and "." not in text \
                 and "e" not in text:
             return int(number)
         return number
     raise UserError(f"{where}: this argument cannot be set from the command line: drop it")
-
-
-def _number(where: str, value: str, text: str) -> float:
-    try:
-        number = float(text)
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number):
-        raise UserError(f"{where}={value}: {text!r} is not a finite number")
-    return number
 
 
 def probe_state(cls: type[torch.optim.Optimizer], lr: float, kwargs: Mapping,
