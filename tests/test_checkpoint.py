@@ -89,8 +89,8 @@ def test_resume_continues_the_same_run(finished_run, tmp_path, capsys):
     assert code == 0, out.err
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     second = events[[e["event"] for e in events].index("final") + 1:]
-    first_eval = next(e for e in second if e["event"] == "eval")
-    assert first_eval["versions"] == saved  # the shards came back at the saved versions
+    placement = next(e for e in second if e["event"] == "placement")
+    assert placement["versions"] == saved  # the shards came back at the saved versions
     steps = [e for e in second if e["event"] == "step"]
     assert sorted({e["step"] for e in steps}) == list(range(30, 50))  # replicas resumed at 30
     final = [e for e in second if e["event"] == "checkpoint"][-1]

@@ -93,7 +93,8 @@ class DownpourSGD(Trainer):
         evaluate, check rejections and checkpoint on their cadences."""
         cfg, job = self.cfg, self.job
         first = shards.retry(shards.stats)
-        job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where())
+        job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where(),
+                versions=[s["version"] for s in first])
         job.progress(cfg.replicas * cfg.steps)
         schedule = SegmentSchedule(cfg.steps, cfg.warmstart_steps, SEGMENT_STEPS,
                                    {i: self.resumed_steps.get(i, 0) for i in replicas.actors})
