@@ -1,16 +1,20 @@
 """Issue 16 without Ray: the evaluation budget and sample, and the step-time breakdown
 (on a fake clock that the host advances, so nothing depends on real timings)."""
 
+import pickle
 import types
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from distbelief import replica as replica_module
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
 from distbelief.evaluation import EvalBudget, sample_rows
+from distbelief.flat import FlatModel, parameter_shapes
+from distbelief.ps.plan import ShardPlan
 from distbelief.replica import ReplicaLoop
 
 BREAKDOWN = ("compute_s", "fetch_wait_s", "push_wait_s", "idle_s")
@@ -165,3 +169,14 @@ def test_the_next_fetch_is_sent_right_after_the_last_push_before_it():
 def test_no_fetch_is_sent_early_where_the_push_before_it_is_fused_or_the_next_step_fetches(
         n_fetch, n_push):
     assert ("prefetch",) not in run_calls(n_fetch, n_push, steps=12)
+
+
+def test_a_pickled_flat_model_keeps_its_numpy_view_on_the_parameters():
+    """Through pickling (as Ray ships an evaluator to its actor) ``flat_np`` must still be the
+    parameters' memory: a fetch writes there."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 1))
+    flat = pickle.loads(pickle.dumps(FlatModel(model, ShardPlan.build(parameter_shapes(model),
+                                                                         2))))
+    assert flat.flat_np.flags.writeable
+    flat.flat_np[:] = 7.0
+    assert all(bool((p == 7.0).all()) for p in flat.model.parameters())

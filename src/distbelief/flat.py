@@ -46,6 +46,12 @@ class FlatModel:
                             "plan from the same model class and arguments")
         self.flat = torch.empty(plan.numel, dtype=torch.float32, device=device)
         self.grad = torch.zeros(plan.numel, dtype=torch.float32, device=device)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Make every parameter (and its ``.grad``) a view of ``flat`` (``grad``), holding
+        its current values, and ``flat_np``/``grad_np`` NumPy views of them on CPU."""
+        on_cpu = self.flat.device.type == "cpu"
         self.flat_np = self.flat.numpy() if on_cpu else None
         self.grad_np = self.grad.numpy() if on_cpu else None
         self._grad_views = []
@@ -59,6 +65,17 @@ class FlatModel:
                 p.grad = view
                 self._grad_views.append(view)
                 offset += k
+
+    def __getstate__(self) -> dict:
+        # Pickling (Ray shipping an evaluator to its actor) copies each tensor and array
+        # apart, so the views are rebuilt on unpickling; NumPy views would otherwise come
+        # back as separate (through Ray, read-only) arrays.
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("flat_np", "grad_np", "_grad_views")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._bind()
 
     def zero_grad(self) -> None:
         self.grad.zero_()
