@@ -163,3 +163,12 @@ def test_shared_constants_are_defined_once():
         config.GRAD_DTYPES)
     assert ctr.TEST_FRACTION is data.TEST_FRACTION
     assert schedule.PORTIONS_PER_REPLICA is config.PORTIONS_PER_REPLICA
+
+
+def test_mnist_and_adaptive_optimizers_get_their_own_automatic_defaults():
+    assert (TrainConfig().validate().optimizer, TrainConfig().validate().lr) == ("adagrad", 0.05)
+    mnist = TrainConfig(dataset="mnist").validate()
+    assert (mnist.optimizer, mnist.lr) == ("adam", 0.001)
+    assert TrainConfig(dataset="mnist", optimizer="adagrad").validate().lr == 0.05
+    assert TrainConfig(optimizer="AdamW").validate().lr == 0.001  # any spelling of the class
+    assert TrainConfig(dataset="mnist", lr=0.01).validate().lr == 0.01  # a given value stays

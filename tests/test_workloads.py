@@ -52,6 +52,18 @@ def test_a_user_factory_file_trains_from_the_command_line(tmp_path):
     assert '"model_args": [' in (tmp_path / "run" / "config.json").read_text()
 
 
+def test_the_cnn_on_real_mnist_reaches_95_percent_with_the_command_lines_defaults(tmp_path):
+    """Issue 15's acceptance command as a newcomer types it: ``--dataset mnist`` resolves to
+    Adam (lr 0.001) on the shards, 300 steps of 32 per replica."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "distbelief.cli", "train", "--dataset", "mnist", "--model", "cnn",
+         "--replicas", "2", "--shards", "2", "--run-dir", "run", "--no-progress"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final_accuracy(proc.stdout) >= 0.95
+    assert '"optimizer": "adam"' in (tmp_path / "run" / "config.json").read_text()
+
+
 def test_a_data_folder_trains_from_the_command_line(tmp_path):
     made = subprocess.run([sys.executable, "-m", "distbelief.ondisk", "digits", "data",
                            "--rows-per-file", "500"], cwd=tmp_path, capture_output=True,

@@ -50,7 +50,8 @@ def _help(f: dataclasses.Field) -> str:
     """A field's help text with its default, escaped for argparse."""
     meta, text = f.metadata, f.metadata["help"]
     if "auto" in meta:
-        text += f" (default {meta['auto']}; ctr {meta['ctr']})"
+        text += f" (default {meta['auto']}" + "".join(
+            f"; {kind} {meta[kind]}" for kind in ("ctr", "mnist") if kind in meta) + ")"
     elif f.default not in (None, dataclasses.MISSING) and not isinstance(f.default, bool):
         text += f" (default {f.default})"
     return text.replace("%", "%%")
