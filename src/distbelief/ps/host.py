@@ -90,7 +90,7 @@ class FlatHost:
         self.flat.sync_grads()
         if self.accrued is not None:
             self.accrued += self.flat.grad
-        return float(loss)
+        return float(loss.detach())
 
     def end_step(self, push: bool, local_lr: float | None, fetch_next: bool) -> None:
         if push:
