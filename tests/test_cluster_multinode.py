@@ -61,3 +61,17 @@ def test_train_on_a_two_node_cluster(two_nodes, tmp_path):
     nodes = set(placement["shards"]) | set(placement["replicas"])
     assert len(nodes) == 2, placement
     assert Path(run_dir / "params.safetensors").is_file()
+
+
+def test_more_actors_than_the_clusters_cpus_is_one_line_and_exit_2(two_nodes, tmp_path):
+    """The check uses the cluster's CPUs (4 here), not this machine's."""
+    address, env = two_nodes
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distbelief.cli", "train", "--address", address,
+         "--replicas", "4", "--shards", "2", "--run-dir", str(run_dir), "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "need 6 CPUs but the cluster has 4" in lines[0] and "Traceback" not in proc.stderr
+    assert not run_dir.exists()

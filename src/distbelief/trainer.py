@@ -130,6 +130,9 @@ class Trainer:
             self._check_restored()
         with cluster.session(cfg.address, num_cpus=cfg.num_cpus,
                              object_store_memory=store_bytes(in_memory, self.plan)):
+            if cfg.address is not None:  # a cluster's CPUs, known once connected
+                check_cpus(cfg.replicas, cfg.partitions, cfg.shards,
+                           Resources.from_ray(ray.cluster_resources()))
             resumed = int(self.restored[0]["checkpoint"]) if self.restored else 0
             self.job = Job(self.run_id, self.algorithm, cfg.run_dir, progress, resumed)
             self.job.write_json("config.json", cfg.to_dict())
