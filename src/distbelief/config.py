@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import time
 import types
@@ -20,7 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distbelief.devices import DEVICES, check_cuda_here, check_gpus
+from distbelief.config_checks import check_fields
+from distbelief.devices import DEVICES, check_cuda_here
 from distbelief.errors import UserError
 from distbelief.formats import is_ctr_file
 
@@ -212,64 +212,7 @@ class TrainConfig:
         Path fields may be given as :class:`os.PathLike` (``pathlib.Path``); they become
         ``str`` here, so the config stays JSON-ready.
         """
-        for name in ("dataset", "run_dir", "resume"):
-            if isinstance(getattr(self, name), os.PathLike):
-                setattr(self, name, os.fspath(getattr(self, name)))
-        _choice("algorithm", self.algorithm, ALGORITHMS)
-        if self.dataset not in DATASETS and not self.dataset.endswith(".npz") \
-                and not (Path(self.dataset) / "meta.json").is_file():  # ondisk's data folder
-            raise UserError(f"{flag('dataset')} {self.dataset!r} is unknown: choose one of "
-                            f"{', '.join(DATASETS)}, the path of a .npz file, or a data folder "
-                            "holding a meta.json (python -m distbelief.ondisk writes one)")
-        self._fill_automatic()  # the checks below see the values a run will use
-        _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
-        _choice("data_split", self.data_split, SPLITS)
-        from distbelief.usermodel import check_model_spec
-
-        check_model_spec(self.model, self.model_args, MODELS)
-        _at_least("partitions", self.partitions, 1)
-        _choice("partition_by", self.partition_by, PARTITION_BY)
-        check_gpus(self.device, self.gpus_per_replica, self.partitions, self.click_data)
-        _at_least("channels", self.channels, 1)
-        if self.dataset == "ctr" and self.algorithm != "downpour":
-            raise UserError(f"--dataset ctr (sparse embedding tables) trains with --algorithm "
-                            f"downpour only, not {self.algorithm}: drop --algorithm")
-        for name in ("replicas", "shards", "n_fetch", "n_push", "batch_size", "steps",
-                     "samples", "features", "rows"):
-            if getattr(self, name) is not None:
-                _at_least(name, getattr(self, name), 1)
-        _at_least("hidden", self.hidden, 0)
-        _at_least("classes", self.classes, 2)
-        for name in ("iterations", "portions_per_push", "history"):
-            _at_least(name, getattr(self, name), 1)
-        _at_least("portions", self.portions, 0)
-        if not (isinstance(self.l2, (int, float)) and math.isfinite(self.l2) and self.l2 >= 0):
-            raise UserError(f"{flag('l2')} must be a finite number >= 0 (got {self.l2!r})")
-        _at_least("warmstart_steps", self.warmstart_steps, 0)
-        _at_least("max_rejected", self.max_rejected, 0)
-        if self.average is not None:
-            from distbelief.ps.average import check_average
-
-            check_average(self.average, "click data" if self.click_data else self.algorithm)
-        _positive("lr", self.lr)
-        _positive("eval_every_s", self.eval_every_s)
-        if not (isinstance(self.eval_budget, (int, float)) and 0 < self.eval_budget <= 1):
-            raise UserError(f"{flag('eval_budget')} must be in (0, 1] (got {self.eval_budget!r})")
-        _at_least("eval_rows", self.eval_rows, 1)
-        if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
-            raise UserError(f"{flag('checkpoint_every_s')} must be >= 0 seconds "
-                            f"(got {self.checkpoint_every_s})")
-        if not (0.0 <= self.momentum < 1.0):
-            raise UserError(f"{flag('momentum')} must be in [0, 1) (got {self.momentum})")
-        self.update_rule()
-        if self.num_cpus is not None:
-            _at_least("num_cpus", self.num_cpus, 1)
-        for index, factor in self.slow_replicas.items():
-            if not 0 <= index < self.replicas:
-                raise UserError(f"--slow-replica {index}:{factor} names replica {index}, but "
-                                f"replicas are 0..{self.replicas - 1}")
-            if not (math.isfinite(factor) and factor >= 1.0):
-                raise UserError(f"--slow-replica {index}:{factor}: the factor must be >= 1")
+        check_fields(self, flag)
         self.resolve(command_line=command_line)
         if self.warmstart_steps > self.steps:
             raise UserError(f"{flag('warmstart_steps')} ({self.warmstart_steps}) exceeds "
@@ -371,17 +314,3 @@ def field_type(name: str) -> type:
         hint = next(t for t in typing.get_args(hint) if t is not type(None))
     return typing.get_origin(hint) or hint
 
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise UserError(f"{flag(name)} {value!r} is unknown: choose one of {', '.join(allowed)}")
-
-
-def _at_least(name: str, value: int, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise UserError(f"{flag(name)} must be an integer >= {low} (got {value!r})")
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise UserError(f"{flag(name)} must be a finite number > 0 (got {value!r})")

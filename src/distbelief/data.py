@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distbelief.config import SPLITS, _choice
+from distbelief.config import SPLITS, flag
+from distbelief.config_checks import one_of
 from distbelief.errors import UserError
 
 TEST_FRACTION = 0.2
@@ -177,7 +178,7 @@ class ReplicaSampler:
 
     def __init__(self, n: int, replica: int, replicas: int, batch_size: int, seed: int,
                  split: str = "epoch") -> None:
-        _choice("data_split", split, SPLITS)
+        one_of(flag("data_split"), split, SPLITS)
         size = len(range(replica, n, replicas))
         if size == 0:
             raise UserError(f"replica {replica} got no training rows: pass fewer --replicas")
