@@ -12,7 +12,7 @@ from torch import nn
 from distbelief import replica as replica_module
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
-from distbelief.evaluation import EvalBudget, sample_rows
+from distbelief.evaluation import EvalBudget, job_cores, sample_rows
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.ps.plan import ShardPlan
 from distbelief.replica import ReplicaLoop
@@ -28,6 +28,25 @@ def test_budget_spaces_evaluations_by_their_cost_and_the_least_period():
     assert not budget.due(103.9) and budget.due(104.0)
     budget.done(started=104.0, duration_s=0.001)  # cheap: the least period wins
     assert budget.at == pytest.approx(104.5)
+
+
+def test_budget_counts_cpu_time_and_never_starts_before_the_last_one_finished():
+    budget = EvalBudget(0.1, 0.5, now=200.0)  # e.g. --eval-budget 0.05 on 2 cores
+    budget.done(started=200.0, duration_s=0.9, cpu_s=0.3)  # it waited for busy cores
+    assert budget.at == pytest.approx(203.0)  # 0.3 CPU s is 10% of one core over 3 s
+    budget.done(started=203.0, duration_s=0.9, cpu_s=0.01)
+    assert budget.at == pytest.approx(203.9)  # not before it finished
+
+
+@pytest.mark.parametrize(("actors", "cluster", "local", "cores"), [
+    (4, 4.0, 2, 2.0),     # embedded Ray told of 4 CPUs on a 2-core machine
+    (3, 16.0, 16, 3.0),   # fewer actors than cores
+    (6, 4.0, None, 4.0),  # a cluster (--address): its CPUs
+    (2, 0.0, 8, 1.0),     # never below one core
+])
+def test_the_job_has_the_cores_its_actors_can_use_and_no_more_than_exist(
+        actors, cluster, local, cores):
+    assert job_cores(actors, cluster, local) == cores
 
 
 def test_the_sample_is_fixed_by_the_seed_sorted_and_never_larger_than_the_set():

@@ -187,9 +187,10 @@ class TrainConfig:
                                       "rejection checks")
     # evaluation off the critical path (downpour: an evaluator actor, issue 16)
     eval_budget: float = option(0.05, section="run", metavar="FRACTION",
-                                help="downpour: most of the job's wall time the evaluator "
-                                     "actor may spend evaluating (with --eval-every as the "
-                                     "least period between evaluations, the later one wins)")
+                                help="downpour: most of the job's CPU time (its cores x "
+                                     "wall time) the evaluator actor may spend evaluating "
+                                     "(with --eval-every as the least period between "
+                                     "evaluations, the later one wins)")
     eval_rows: int = option(1000, section="run", metavar="ROWS",
                             help="downpour: test rows (a fixed seeded sample) scored during "
                                  "training; the final evaluation scores the whole test set")

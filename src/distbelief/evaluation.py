@@ -3,13 +3,18 @@
 During a Downpour run an :data:`EvalActor` fetches the shards' current parameters itself
 and scores a fixed seeded sample of the test set; the driver only submits to it and
 collects its reply in the same ``ray.wait`` as the replicas' segments. :class:`EvalBudget`
-says when the next evaluation may start: an evaluation that took ``d`` seconds is followed
-by ``d / budget - d`` seconds without one (so evaluating takes at most ``budget`` of the
-wall time), and never sooner than ``min_period_s`` after the last one started.
+says when the next evaluation may start: an evaluation that used ``c`` CPU seconds starts
+the next one no sooner than ``c / budget`` seconds after it began, so evaluating takes at
+most ``budget`` of the CPU time the job has (``budget`` = ``--eval-budget`` times the job's
+cores, :func:`job_cores`), never before the last one finished and never sooner than
+``min_period_s`` after it started. CPU time, not wall time: an evaluator that shares the
+cores with busy replicas waits for them, and its wall time says more about them than
+about what it costs them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -17,11 +22,22 @@ import ray
 import torch
 
 
+def job_cores(actors: int, cluster_cpus: float, local_cpus: int | None) -> float:
+    """The cores a job's ``actors`` (one CPU each) can keep busy: no more than the cluster's
+    CPUs, nor, on an embedded Ray (``local_cpus``: this machine's cores), than this
+    machine has (an embedded Ray may be told of more CPUs than there are cores)."""
+    cores = min(float(actors), float(cluster_cpus))
+    if local_cpus is not None:
+        cores = min(cores, float(local_cpus))
+    return max(1.0, cores)
+
+
 class EvalBudget:
     """When the next evaluation is due (wall-clock seconds, ``time.time()``).
 
-    ``budget``: the largest fraction of wall time spent evaluating, in (0, 1];
-    ``min_period_s``: the least time between two starts. The later bound wins.
+    ``budget``: the largest share of one core's time spent evaluating, in (0, inf) (a
+    share above 1 lets evaluations run back to back); ``min_period_s``: the least time
+    between two starts. The latest bound wins.
     """
 
     def __init__(self, budget: float, min_period_s: float, now: float) -> None:
@@ -31,10 +47,12 @@ class EvalBudget:
     def due(self, now: float) -> bool:
         return now >= self.at
 
-    def done(self, started: float, duration_s: float) -> None:
-        """An evaluation started at ``started`` took ``duration_s`` seconds: set the next."""
-        rest = duration_s / self.budget - duration_s
-        self.at = max(started + duration_s + rest, started + self.min_period_s)
+    def done(self, started: float, duration_s: float, cpu_s: float | None = None) -> None:
+        """An evaluation started at ``started`` took ``duration_s`` seconds of wall time and
+        ``cpu_s`` of CPU time (``None``: as much as wall time): set the next."""
+        cpu_s = duration_s if cpu_s is None else cpu_s
+        self.at = max(started + duration_s, started + cpu_s / self.budget,
+                      started + self.min_period_s)
 
 
 def sample_rows(n: int, k: int, seed: int) -> np.ndarray:
@@ -56,13 +74,13 @@ class EvalWorker:
         """Fetch from ``shards`` (the shards' current handles) and score; the scores, the
         shard versions, when the fetch began (``t``, seconds since the epoch) and how long
         the whole evaluation took (``duration_s``). A dead shard raises ``RayActorError``."""
-        ev, began = self.evaluator, time.perf_counter()
+        ev, began, cpu = self.evaluator, time.perf_counter(), time.process_time()
         t = time.time()
         averaged = ev.average is not None
         versions = ev.load(shards, averaged)
         scores = ev.score(None)
         return {"t": t, "versions": versions, "scores": {**scores, **ev.evaluated_field(averaged)},
-                "duration_s": time.perf_counter() - began}
+                "duration_s": time.perf_counter() - began, "cpu_s": time.process_time() - cpu}
 
 
 EvalActor = ray.remote(EvalWorker)  # the evaluator actor; its methods are remote methods
@@ -81,7 +99,10 @@ class Evaluations:
 
     def __init__(self, job, shards, evaluator, cfg) -> None:
         self.job, self.shards, self.evaluator = job, shards, evaluator
-        self.budget = EvalBudget(cfg.eval_budget, cfg.eval_every_s, time.time())
+        cores = job_cores(cfg.replicas * cfg.partitions + cfg.shards,
+                          ray.cluster_resources().get("CPU", 1.0),
+                          None if cfg.address else os.cpu_count())
+        self.budget = EvalBudget(cfg.eval_budget * cores, cfg.eval_every_s, time.time())
         self.ref: ray.ObjectRef | None = None
         self.started = 0.0
         self.actor = None
@@ -135,7 +156,7 @@ class Evaluations:
         self.job.log("eval", t=t, updates=sum(versions), versions=versions,
                      elapsed_s=t - self.job.began, **self.fields, **scores)
         self.job.evaluated(scores)
-        self.budget.done(self.started, reply["duration_s"])
+        self.budget.done(self.started, reply["duration_s"], reply["cpu_s"])
         return True
 
     def stop(self, collect: bool = False) -> None:
