@@ -2,11 +2,13 @@
 
 Run: .venv/bin/python bench/optim.py [--sizes-mb 4 64] [--repeat 10] [--rounds 3] [--threads 1]
 Per slice size, each round times ``--repeat`` in-place updates of a float32 slice by each
-NumPy rule and right after by its torch counterpart bound to the same kind of buffers
-(``TorchRule``: zero-copy views, single-tensor CPU path); the ratio torch/NumPy is taken
-per round (so machine noise hits both alike) and the median printed: above 1 the NumPy
-rule is faster. ``adagrad`` compares DistBelief's Adagrad with ``torch.optim.Adagrad``
-(slightly different formula, same cost class); ``adam`` is printed for scale only.
+NumPy rule, right after by its torch counterpart as the shards run it (``TorchRule``:
+zero-copy views, torch's fused CPU kernel where it has one), and by the same torch
+optimizer on its single-tensor path (``fused=False``, what the shards ran before
+2026-12-05); the ratios torch/NumPy and fused/single are taken per round (so machine noise
+hits both alike) and the medians printed: below 1 the first is faster. ``adagrad`` is
+DistBelief's Adagrad against ``torch.optim.Adagrad(eps=0, initial_accumulator_value=1e-8)``,
+the same numbers (how dense slices now run it); ``adam`` has no NumPy rule.
 ``--threads`` sets torch's intra-op threads (a shard actor runs with 1 CPU).
 """
 
@@ -25,7 +27,8 @@ from distbelief.ps.torchrule import TorchRule
 PAIRS = {  # name -> (NumPy rule or None, torch class, torch kwargs)
     "sgd": (SGD(0.01), torch.optim.SGD, {}),
     "momentum": (Momentum(0.01, momentum=0.9), torch.optim.SGD, {"momentum": 0.9}),
-    "adagrad": (Adagrad(0.01), torch.optim.Adagrad, {}),
+    "adagrad": (Adagrad(0.01), torch.optim.Adagrad,
+                {"eps": 0.0, "initial_accumulator_value": 1e-8}),
     "adam": (None, torch.optim.Adam, {}),
 }
 
@@ -41,6 +44,18 @@ def per_update(rule, n: int, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def per_step_single(cls, kwargs: dict, n: int, repeat: int) -> float:
+    """Seconds per step of ``cls`` on its single-tensor CPU path (no fused kernel)."""
+    p = torch.zeros(n)
+    opt = cls([p], lr=0.01, foreach=False, fused=False, **kwargs)
+    p.grad = torch.full((n,), 0.5)
+    opt.step()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        opt.step()
+    return (time.perf_counter() - start) / repeat
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 64])
@@ -50,24 +65,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s); ms per update, median of "
-          f"{args.rounds} rounds of {args.repeat}; ratio = torch / NumPy")
+          f"{args.rounds} rounds of {args.repeat}; ratios torch / NumPy and fused / single")
     for mb in args.sizes_mb:
         n = int(mb * 2**20) // 4
         for name, (numpy_rule, cls, kwargs) in PAIRS.items():
-            times: dict[str, list[float]] = {"numpy": [], "torch": []}
+            times: dict[str, list[float]] = {"numpy": [], "torch": [], "single": []}
             for _ in range(args.rounds):
                 if numpy_rule is not None:
                     times["numpy"].append(per_update(numpy_rule, n, args.repeat))
                 times["torch"].append(per_update(TorchRule(cls, 0.01, kwargs), n, args.repeat))
-            t_torch = statistics.median(times["torch"]) * 1e3
-            if numpy_rule is None:
-                print(f"{mb:6g} MB  {name:9s} numpy     -    torch {t_torch:8.3f}")
-                continue
-            t_numpy = statistics.median(times["numpy"]) * 1e3
-            ratio = statistics.median(t / u for t, u in zip(times["torch"], times["numpy"]))
-            print(f"{mb:6g} MB  {name:9s} numpy {t_numpy:8.3f}  torch {t_torch:8.3f}  "
-                  f"ratio {ratio:5.2f}")
-
+                times["single"].append(per_step_single(cls, kwargs, n, args.repeat))
+            ms = {k: statistics.median(v) * 1e3 if v else float("nan") for k, v in times.items()}
+            vs_single = statistics.median(t / u for t, u in zip(times["torch"], times["single"]))
+            vs_numpy = (statistics.median(t / u for t, u in zip(times["torch"], times["numpy"]))
+                        if times["numpy"] else float("nan"))
+            print(f"{mb:6g} MB  {name:9s} numpy {ms['numpy']:8.3f}  torch {ms['torch']:8.3f}  "
+                  f"single {ms['single']:8.3f}  torch/numpy {vs_numpy:5.2f}  "
+                  f"fused/single {vs_single:5.2f}")
 
 if __name__ == "__main__":
     main()

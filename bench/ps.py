@@ -29,7 +29,7 @@ from _common import parser as make_parser
 from _common import ray_session
 
 from distbelief.ps.client import PSClient
-from distbelief.ps.optim import Adagrad
+from distbelief.ps.optim import make_rule
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 
@@ -47,18 +47,21 @@ def legacy_adagrad(p: np.ndarray, g: np.ndarray, acc: np.ndarray, lr: float = 0.
 
 
 class InProcess:
-    """The baseline: the shards' own Adagrad rule on a whole gradient in this process."""
+    """The baseline: the shards' own Adagrad rule (``make_rule("adagrad")``: torch's fused
+    Adagrad with eps inside the root on a dense slice) on a whole gradient in this process."""
 
     def __init__(self, n: int) -> None:
-        self.rule, self.p, self.g = Adagrad(0.01), np.zeros(n, np.float32), np.ones(n, np.float32)
+        self.rule, self.p, self.g = make_rule("adagrad", 0.01), np.zeros(n, np.float32), \
+            np.ones(n, np.float32)
         self.state = self.rule.init_state(n)
+        self.legacy_acc = np.zeros(n, np.float32)
         self.rule.apply(self.p, self.g, self.state)  # touch every page once
 
     def rate(self, repeat: int, legacy: bool = False) -> float:
         began = time.perf_counter()
         for _ in range(repeat):
             if legacy:
-                legacy_adagrad(self.p, self.g, self.state["accumulator"])
+                legacy_adagrad(self.p, self.g, self.legacy_acc)
             else:
                 self.rule.apply(self.p, self.g, self.state)
         return repeat * self.g.nbytes / (time.perf_counter() - began) / 2**20
@@ -134,7 +137,7 @@ def main() -> None:
             base = InProcess(n)
             legacy = statistics.median(base.rate(args.repeat, legacy=True) for _ in range(3))
             new = statistics.median(base.rate(args.repeat) for _ in range(3))
-            print(f"{mb:>5g} {'-':>6} {'rule':>10} in-process Adagrad: chunked {new:.0f} MB/s, "
+            print(f"{mb:>5g} {'-':>6} {'rule':>10} in-process Adagrad: shards' {new:.0f} MB/s, "
                   f"pre-issue-6 {legacy:.0f} MB/s ({new / legacy:.2f}x)")
             for shards in args.shards:
                 plan = ShardPlan.build([("w", (n,))], shards)
@@ -142,7 +145,7 @@ def main() -> None:
                                                  "adagrad", 0.01) for i in range(shards)]
                 grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
                 variants = [(v, 1) for v in args.variants] + [("f32x2", p) for p in args.pushers]
-                fetch = 0.0
+                fetch, medians = 0.0, {}
                 nulls = [NullShard.remote() for _ in range(shards)]
                 for variant, pushers in variants:
                     null, dtype, k = variant.startswith("null-"), *variant.removeprefix(
@@ -163,6 +166,7 @@ def main() -> None:
                                                   for _ in range(args.rounds))
                     ratios = sorted(p / b for b, p in rounds)
                     name = variant if pushers == 1 else f"{pushers}x{variant}"
+                    medians[name] = statistics.median(p for _, p in rounds)
                     print(f"{mb:>5g} {shards:>6} {name:>10} "
                           f"{statistics.median(b for b, _ in rounds):>12.0f} "
                           f"{statistics.median(p for _, p in rounds):>10.0f} "
@@ -171,6 +175,11 @@ def main() -> None:
                     for c in clients:
                         if not isinstance(c, PSClient):
                             ray.kill(c)
+                floors = [f"{v} {medians[v] / medians['null-' + v]:.2f}" for v in medians
+                          if "null-" + v in medians]
+                if floors:  # issue 16: real shards against Ray's own cost of a push
+                    print(f"{mb:>5g} {shards:>6} real / null-floor push MB/s: "
+                          + ", ".join(floors), flush=True)
                 for h in handles + nulls:
                     ray.kill(h)
             del base

@@ -122,7 +122,9 @@ class Adagrad(SGD):
     ``sqrt(1 + eps / sum)``), so ``--optimizer adagrad`` stays this rule and torch's is
     ``--optimizer Adagrad``. The same numbers (to 1e-6) through torch:
     ``torch.optim.Adagrad(lr, eps=0, initial_accumulator_value=eps)``, whose ``sum`` state is
-    this ``accumulator`` plus ``eps``; this rule is kept as 1.6-2.1x faster (bench/optim.py).
+    this ``accumulator`` plus ``eps``: :func:`make_rule` runs dense slices that way, through
+    torch's fused CPU kernel (2.7-3.1x faster than this rule, bench/optim.py), and keeps this
+    rule for gathered rows and ranges.
     """
 
     eps: float = 1e-8
@@ -154,11 +156,12 @@ TORCH_PRESETS = {  # name -> (torch.optim class, arguments the name fixes)
     "rmsprop": ("RMSprop", {}),
 }
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adagrad", "adam", "adamw", "rmsprop")
-# Names served by a NumPy rule on dense slices too (bench/optim.py, 1 torch thread, torch/
-# NumPy time): momentum 1.39x at 4 MB, 0.94-1.03x at 64 MB (and its checkpoints keep their
-# "velocity" state); adagrad 1.6x / 2.1x (and DistBelief's formula). sgd goes to torch:
-# 1.10x at 4 MB but 0.75x at 64 MB.
-NUMPY_DENSE: tuple[str, ...] = ("momentum",)
+# Names served by a NumPy rule on dense slices too: none since the shards run torch's fused
+# CPU kernels (bench/optim.py 2026-12-05, 1 torch thread, torch/NumPy time at 4 and 64 MB:
+# sgd 0.84 / 0.65, momentum 0.79 / 0.63, DistBelief's adagrad as torch's Adagrad with eps
+# inside the root 0.32 / 0.37). Dense momentum's state is torch's "momentum_buffer" (before:
+# "velocity"), adagrad's torch's "sum" (= accumulator + eps) and "step".
+NUMPY_DENSE: tuple[str, ...] = ()
 
 
 def make_rule(name: str, lr: float, momentum: float = 0.9,
@@ -169,9 +172,9 @@ def make_rule(name: str, lr: float, momentum: float = 0.9,
     a dict) and ``--lr-schedule``.
 
     ``sgd``, ``momentum``, ``nesterov``, ``adam``, ``adamw``, ``rmsprop`` are the
-    ``torch.optim`` optimizers of those names (``momentum`` given no arguments as the equal,
-    faster :class:`Momentum`, see :data:`NUMPY_DENSE`); ``adagrad`` is DistBelief's
-    (:class:`Adagrad`, argument ``eps`` only); any other name is a ``torch.optim`` class,
+    ``torch.optim`` optimizers of those names; ``adagrad`` is DistBelief's (:class:`Adagrad`,
+    argument ``eps`` only; on dense slices the same numbers through torch's fused Adagrad,
+    see :data:`NUMPY_DENSE`); any other name is a ``torch.optim`` class,
     exact or lower-case (``Adagrad``, ``NAdam``, ``radam``). ``rows=True``: a rule for
     gathered rows (row-sparse tables, model-parallel ranges), which only the NumPy rules
     ``sgd``, ``momentum`` and ``adagrad`` can be.
@@ -188,9 +191,12 @@ def make_rule(name: str, lr: float, momentum: float = 0.9,
         return _row_rule(name, lr, momentum, raw, sched)
     if name in NUMPY_DENSE and not raw:
         return _row_rule(name, lr, momentum, raw, sched)
-    if name == "adagrad":
-        return _paper_adagrad(lr, raw, sched)
     from distbelief.ps import torchrule
+
+    if name == "adagrad":  # DistBelief's formula through torch's fused Adagrad (see Adagrad)
+        eps = _paper_adagrad(lr, raw, sched).eps
+        return torchrule.TorchRule(torchrule.optimizer_classes()["Adagrad"], lr,
+                                   {"eps": 0.0, "initial_accumulator_value": eps}, sched, name)
 
     if name in TORCH_PRESETS:
         cls_name, preset = TORCH_PRESETS[name]
