@@ -283,3 +283,11 @@ def test_bad_config_file_is_one_line_exit_2_and_starts_nothing(text, message, tm
     assert len(lines) == 1, err
     assert lines[0].startswith("distbelief: error: ") and message.format(path=path) in lines[0]
     assert not ray.is_initialized() and not run_dir.exists()
+
+
+def test_readme_lists_every_train_flag():
+    """README's command-line summary names every flag `distbelief train` has."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Command line"):readme.index("## Python API")]
+    missing = [flag(name) for name in FIELDS if flag(name) not in section]
+    assert not missing, f"README.md's Command line section lacks {missing}"
