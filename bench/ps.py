@@ -15,7 +15,10 @@ update rule (whole-array NumPy with temporaries) for reference.
 The ``floor`` variants (``null-f32x1``, ``null-f32x4``) push the same way to actors that
 answer at once and never read the gradient: Ray's own cost of a push (the ``ray.put``, one
 call per shard, the replies) with a free apply. Their ratio bounds what any shard-side
-change can reach with Ray's calls on this machine.
+change can reach with Ray's calls on this machine. The ``read`` variants (``read-f32x1``,
+``read-f32x4``) push to actors that read every byte of their part once (a sum) and keep
+nothing: the least a shard that applies a push must add to Ray's cost. Per size and shard
+count the script prints real / null-floor and real / read-floor push MB/s.
 """
 
 from __future__ import annotations
@@ -67,19 +70,36 @@ class InProcess:
         return repeat * self.g.nbytes / (time.perf_counter() - began) / 2**20
 
 
-@ray.remote(num_cpus=0)
-class NullShard:
+class Null:
     """Answers a push like a shard but does nothing with it: what Ray alone costs a push."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
     def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1) -> bool:
-        return True
+        return self.take(grad)
 
     def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
                   replica: int = -1) -> bool:
+        return self.take(grad[lo:lo + self.size])
+
+    def take(self, part: np.ndarray) -> bool:
         return True
+
+
+class Read(Null):
+    """Reads every byte of its part of a push once (a sum) and keeps nothing: the least any
+    shard that applies a push must do on top of Ray's cost (the gradient's pages are
+    touched in this process for the first time)."""
+
+    def take(self, part: np.ndarray) -> bool:
+        return bool(np.isfinite(np.add.reduce(part)))
+
+
+NullShard, ReadShard = ray.remote(num_cpus=0)(Null), ray.remote(num_cpus=0)(Read)
 
 
 @ray.remote(num_cpus=0)
@@ -122,7 +142,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", nargs="+",
-                        default=["f32x1", "f32x4", "bf16x4", "null-f32x1", "null-f32x4"])
+                        default=["f32x1", "f32x4", "bf16x4", "null-f32x1", "null-f32x4",
+                                 "read-f32x1", "read-f32x4"])
     parser.add_argument("--pushers", type=int, nargs="*", default=[2],
                         help="also run P concurrent client actors (f32, 2 in flight each)")
     args = parser.parse_args()
@@ -146,12 +167,14 @@ def main() -> None:
                 grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
                 variants = [(v, 1) for v in args.variants] + [("f32x2", p) for p in args.pushers]
                 fetch, medians = 0.0, {}
-                nulls = [NullShard.remote() for _ in range(shards)]
+                floor_shards = {
+                    "null": [NullShard.remote(plan.shard_size(i)) for i in range(shards)],
+                    "read": [ReadShard.remote(plan.shard_size(i)) for i in range(shards)]}
                 for variant, pushers in variants:
-                    null, dtype, k = variant.startswith("null-"), *variant.removeprefix(
-                        "null-").split("x")
+                    kind, _, rest = variant.rpartition("-")
+                    null, (dtype, k) = bool(kind), rest.split("x")
                     if pushers == 1:
-                        clients = [PSClient(nulls if null else handles, plan,
+                        clients = [PSClient(floor_shards[kind] if null else handles, plan,
                                             grad_dtype=DTYPES[dtype], max_in_flight=int(k))]
                     else:
                         clients = [Pusher.remote(handles, plan, DTYPES[dtype], int(k))
@@ -175,12 +198,13 @@ def main() -> None:
                     for c in clients:
                         if not isinstance(c, PSClient):
                             ray.kill(c)
-                floors = [f"{v} {medians[v] / medians['null-' + v]:.2f}" for v in medians
-                          if "null-" + v in medians]
-                if floors:  # issue 16: real shards against Ray's own cost of a push
-                    print(f"{mb:>5g} {shards:>6} real / null-floor push MB/s: "
-                          + ", ".join(floors), flush=True)
-                for h in handles + nulls:
+                for kind in floor_shards:  # issue 16: real shards against the floors
+                    floors = [f"{v} {medians[v] / medians[f'{kind}-{v}']:.2f}" for v in medians
+                              if f"{kind}-{v}" in medians]
+                    if floors:
+                        print(f"{mb:>5g} {shards:>6} real / {kind}-floor push MB/s: "
+                              + ", ".join(floors), flush=True)
+                for h in handles + [a for group in floor_shards.values() for a in group]:
                     ray.kill(h)
             del base
 

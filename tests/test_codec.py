@@ -44,3 +44,14 @@ def test_all_finite_checks_every_chunk():
     x[-1] = np.nan
     assert not codec.all_finite(x)
     assert codec.all_finite(np.zeros(0, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_all_finite_is_exact_where_the_squares_overflow(dtype):
+    big = np.full(1000, np.finfo(dtype).max / 2, dtype)  # finite, its squares are not
+    assert codec.all_finite(big)
+    for bad in (np.nan, np.inf, -np.inf):
+        x = big.copy()
+        x[517] = bad
+        assert not codec.all_finite(x)
+        assert not codec.all_finite(np.where(np.arange(1000) == 3, bad, 0.5).astype(dtype))
