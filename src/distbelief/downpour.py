@@ -92,6 +92,8 @@ class DownpourSGD(Trainer):
         """The driver loop: resubmit each replica's next segment the moment it returns;
         evaluate, check rejections and checkpoint on their cadences."""
         cfg, job = self.cfg, self.job
+        evals = Evaluations(job, shards, evaluator, cfg)
+        evals.ready()  # the evaluator's process is up before training starts (as replicas)
         first = shards.retry(shards.stats)
         job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where(),
                 versions=[s["version"] for s in first])
@@ -112,7 +114,6 @@ class DownpourSGD(Trainer):
 
         for i in schedule.first(replicas.actors):
             submit(i)
-        evals = Evaluations(job, shards, evaluator, cfg)
         probe = Cadence(cfg.eval_every_s, due_now=True)  # rejections and dead shards
         checkpoints = Checkpointer(job, shards, self.plan, self._state_names(),
                                    cfg.checkpoint_every_s or float("inf"))

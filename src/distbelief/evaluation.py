@@ -115,6 +115,12 @@ class Evaluations:
     def _start_actor(self) -> None:
         self.actor = EvalActor.options(num_cpus=0).remote(self.evaluator.sampled(self.rows))
 
+    def ready(self) -> None:
+        """Wait until the evaluator actor's process is up (its start-up, seconds on busy
+        cores, would otherwise delay the first evaluation into the training)."""
+        if self.actor is not None:
+            ray.get(self.actor.__ray_ready__.remote())
+
     def submit_if_due(self) -> None:
         """Start an evaluation if none is running and the budget allows one now."""
         now = time.time()
