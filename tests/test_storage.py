@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.s3 import objects, s3_server
 
 from distbelief import storage
 from distbelief.checkpoint import (
@@ -18,7 +19,6 @@ from distbelief.limits import check_run_dir
 from distbelief.ps.optim import Adagrad
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ShardCore
-from tests.support.s3 import objects, s3_server
 
 
 @pytest.fixture(scope="module")
