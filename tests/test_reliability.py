@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -62,7 +63,7 @@ def test_load_checkpoint_reads_only_the_asked_shard_and_refuses_bad_vectors(tmp_
     for i, core in enumerate(cores):
         core.save(str(shard_file(tmp_path, 4, i)))
     write_manifest(tmp_path, 4, [0, 0], plan, ["accumulator"], {"algorithm": "downpour"})
-    shard_file(tmp_path, 4, 0).write_bytes(b"damaged")
+    Path(shard_file(tmp_path, 4, 0)).write_bytes(b"damaged")
     _, parts = load_checkpoint(tmp_path, 4, plan, ["accumulator"], shards=[1])
     assert parts[0] is None and parts[1]["params"].shape == (3,)
     from safetensors.numpy import save_file

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from distbelief import storage
 from distbelief.checkpoint import write_manifest
 from distbelief.job import Cadence, Job
 from distbelief.ps.group import ShardSet
@@ -42,11 +43,12 @@ class Checkpointer:
         return number
 
     def _write(self, number: int, extra: dict, vectors: tuple[str, ...]) -> None:
-        run_dir = self.job.run_dir
-        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        run_dir = self.job.store  # the run folder, or its URL: the shards write there
+        storage.makedirs(storage.join(run_dir, "checkpoints"))
         versions, fields = self.shards.save(run_dir, number, vectors)
         extra = {**extra, **fields}
         write_manifest(run_dir, number, versions, self.plan, self.state_names, extra)
         self.job.checkpoints = number
         self.shards.saved(run_dir, number)
         self.job.log("checkpoint", number=number, versions=versions, **extra)
+        self.job.mirror()

@@ -171,11 +171,11 @@ class TrainConfig:
                             help="the training algorithm")
     seed: int = option(0, section="run", help="seed of data, model and sampling")
     run_dir: str | None = option(section="run", metavar="DIR",
-                                 help="output folder (command line: default runs/<time>; "
-                                      "with --resume, its folder)")
+                                 help="output folder or fsspec URL, e.g. s3://bucket/run "
+                                      "(default runs/<time>; with --resume, its folder)")
     resume: str | None = option(section="run", metavar="RUN_DIR",
-                                help="continue the run in RUN_DIR from its newest complete "
-                                     "checkpoint")
+                                help="continue the run in RUN_DIR (path or URL) from its "
+                                     "newest checkpoint, on any --shards count")
     checkpoint_every_s: float = option(
         0.0, section="run", flag="--checkpoint-every", metavar="SECONDS",
         help="seconds between shard checkpoints (downpour 0: only at the end and on Ctrl-C; "

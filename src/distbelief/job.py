@@ -11,16 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 
+from distbelief import storage
 from distbelief.checkpoint import save_arrays
 from distbelief.metrics import RunLog, plot_run
-
-if TYPE_CHECKING:
-    pass
 
 ACTOR_NAME_TRIES = 200  # 50 ms apart: how long a dead actor's name may take Ray to free
 
@@ -48,12 +45,25 @@ def actor_name(run_id: str, role: str, index: int) -> str:
 class Job:
     """A run in progress: ``run_dir`` (None: events kept in memory only), the event log, the
     progress bar (with ``progress``), the number of the newest checkpoint (``checkpoint``:
-    the one resumed from, 0 for none) and the result."""
+    the one resumed from, 0 for none) and the result.
+
+    ``store`` is where checkpoints go: ``run_dir`` itself, which may be a URL
+    (``s3://bucket/prefix``, :mod:`distbelief.storage`); then the events, config, final
+    parameters and plot are written to ``run_dir``, a local mirror folder
+    (:func:`~distbelief.storage.local_mirror`), and uploaded next to the checkpoints at each
+    checkpoint and at the end (:meth:`mirror`)."""
 
     def __init__(self, run_id: str, algorithm: str, run_dir: str | Path | None,
                  progress: bool = False, checkpoint: int = 0) -> None:
         self.run_id = run_id
         self.algorithm = algorithm
+        self.store = None if run_dir is None else str(run_dir)
+        if run_dir is not None and storage.is_url(run_dir):
+            run_dir = storage.local_mirror(str(run_dir))
+            storage.download_events(self.store, run_dir)  # a resume appends to them
+        elif run_dir is not None:
+            run_dir = storage.local_path(run_dir)
+            self.store = str(run_dir)
         self._log = RunLog(run_dir)
         self.run_dir = self._log.run_dir
         self.began = time.time()
@@ -125,9 +135,15 @@ class Job:
                         {"updates": str(updates), "algorithm": self.algorithm})
             self._log.close()
             plot_run(self.run_dir)
+            self.mirror()
         return TrainResult(params, final.get("test_accuracy"), final.get("test_loss"),
-                           updates, wall, shard_stats, counters, self._log.events,
-                           str(self.run_dir) if self.run_dir else None)
+                           updates, wall, shard_stats, counters, self._log.events, self.store)
+
+    def mirror(self) -> None:
+        """Upload the local files of a run whose folder is a URL (events, config, final
+        parameters, plot) next to its checkpoints; nothing for a local run folder."""
+        if self.store is not None and storage.is_url(self.store):
+            storage.upload_folder(self.run_dir, self.store)
 
     def close(self) -> None:
         self._log.close()

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
+from distbelief import storage
 from distbelief.errors import UserError
 
 BYTES_PER_VALUE = 4  # parameters, gradients and optimizer state are float32
@@ -145,8 +145,12 @@ def check_cpus(replicas: int, partitions: int, shards: int, res: Resources) -> s
 
 
 def check_run_dir(path: str | os.PathLike[str]) -> None:
-    """Refuse a ``--run-dir`` that is a file or cannot be created, without creating it."""
-    run_dir = Path(path)
+    """Refuse a ``--run-dir`` that is a file or cannot be created, without creating it; a
+    URL (``s3://``) must take a probe object (:func:`~distbelief.storage.check_writable`)."""
+    if storage.is_url(path):
+        storage.check_writable(str(path))
+        return
+    run_dir = storage.local_path(path)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file: give the path of a folder")
     parent = run_dir

@@ -24,7 +24,7 @@ import ray
 import torch
 from torch import nn
 
-from distbelief import cluster
+from distbelief import cluster, storage
 from distbelief.checkpoint import latest_checkpoint, load_shard
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
@@ -124,6 +124,8 @@ class Trainer:
                 print(warning, file=sys.stderr)
         in_memory = x_train if y_train is not None else np.empty(0, np.float32)
         self.restored = None
+        if cfg.run_dir is not None and storage.is_url(cfg.run_dir):
+            storage.check_writable(cfg.run_dir)
         if cfg.resume:
             self.restored = latest_checkpoint(cfg.resume, self.plan, self._state_names(),
                                               self._rule().scalar_names)
@@ -169,11 +171,11 @@ class Trainer:
     def _state_names(self) -> tuple[str, ...]:
         return self._rule().state_names
 
-    def _resumed_from(self) -> tuple[Path, int] | None:
+    def _resumed_from(self) -> tuple[str, int] | None:
         """The checkpoint this fit resumed from (its run folder and number), if any."""
         if self.restored is None:
             return None
-        return Path(self.cfg.resume), int(self.restored[0]["checkpoint"])
+        return self.cfg.resume, int(self.restored[0]["checkpoint"])
 
     def _start_shards(self, initial: list[np.ndarray]) -> ShardSet:
         """One shard actor per planned slice, from ``initial`` or from the resumed checkpoint."""

@@ -186,7 +186,7 @@ class ShardGroup(ShardSet):
         return self.retry(lambda: self.write(run_dir, number, vectors)), {}
 
     def saved(self, run_dir: Path, number: int) -> None:
-        self._source = (Path(run_dir), number)
+        self._source = (run_dir, number)
 
     def kill(self) -> None:
         for shard in self._handles:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import ray
 
+from distbelief import storage
 from distbelief.checkpoint import shard_file
 from distbelief.ps.group import ShardGroup, ShardSet
 
@@ -66,7 +67,8 @@ class RowShardGroup(ShardSet):
         """The row shards write their rows, then the dense shards their slices; the
         manifest's extra fields name the tables and the row files."""
         versions = self.retry(lambda: self.rows.write(run_dir, number))
-        rows = [{"file": shard_file(run_dir, number, i, self.rows.role).name, "version": int(v)}
+        rows = [{"file": storage.basename(shard_file(run_dir, number, i, self.rows.role)),
+                 "version": int(v)}
                 for i, v in enumerate(versions)]
         dense = self.retry(lambda: self.dense.write(run_dir, number, vectors))
         return dense, {"tables": self.tables, "row_shards": rows}

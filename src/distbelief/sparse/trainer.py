@@ -14,14 +14,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import ray
 import torch
 from torch import nn
 
-from distbelief.checkpoint import load_arrays, load_row_shard
+from distbelief.checkpoint import load_row_shard, load_row_shards
 from distbelief.config import TrainConfig
 from distbelief.downpour import DownpourSGD
 from distbelief.errors import UserError
@@ -111,34 +110,31 @@ class SparseDownpourSGD(DownpourSGD):
 
     def _check_restored(self) -> None:
         """Downpour's checks, then the embedding rows: the checkpoint must hold this model's
-        tables, one intact row file per shard (read and validated here, before any actor)."""
+        tables, intact row files (read, regrouped for ``--shards`` row shards if it had
+        another count, and validated here, before any actor)."""
         super()._check_restored()
         manifest = self.restored[0]
-        folder = Path(self.cfg.resume) / "checkpoints"
-        if manifest.get("tables") != self._table_list() \
-                or len(manifest.get("row_shards", [])) != self.cfg.shards:
+        if manifest.get("tables") != self._table_list() or not manifest.get("row_shards"):
             raise UserError(f"the checkpoint in {self.cfg.resume} holds tables "
                             f"{manifest.get('tables')}, not this model's {self._table_list()}: "
                             "resume with the --rows and model of the run that wrote it")
-        self._resumed_rows = [self._read_rows(folder, i, entry)
-                              for i, entry in enumerate(manifest["row_shards"])]
+        parts = load_row_shards(self.cfg.resume, int(manifest["checkpoint"]), self.cfg.shards)
+        self._resumed_rows = [self._check_rows(i, part) for i, part in enumerate(parts)]
 
     def _table_list(self) -> list[list]:
         return [[s.name, s.rows, s.dim] for s in self.specs]
 
-    def _read_rows(self, folder: Path, i: int, entry: dict) -> dict:
+    def _check_rows(self, i: int, part: dict) -> dict:
         """Row shard ``i``'s part of a checkpoint, validated by loading it into a throwaway
         shard core (so a damaged file fails here, in one line, not inside an actor)."""
-        arrays = load_arrays(folder / entry["file"])
         cfg = self.cfg
         try:
             EmbeddingShardCore(i, cfg.shards, self.specs, cfg.optimizer, cfg.lr, cfg.momentum,
-                               {"arrays": arrays, "version": entry["version"]},
-                               args=cfg.optimizer_args, schedule=cfg.lr_schedule)
+                               part, args=cfg.optimizer_args, schedule=cfg.lr_schedule)
         except ValueError as err:
-            raise UserError(f"row checkpoint {entry['file']} does not fit this model ({err}): "
-                            "use another checkpoint") from None
-        return {"arrays": arrays, "version": int(entry["version"])}
+            raise UserError(f"row shard {i}'s rows of the checkpoint in {cfg.resume} do not "
+                            f"fit this model ({err}): use another checkpoint") from None
+        return part
 
     def _start_shards(self, initial: list[np.ndarray]) -> RowShardGroup:
         """Downpour's dense shards, then S embedding shards (from the resumed rows or the
@@ -151,7 +147,10 @@ class SparseDownpourSGD(DownpourSGD):
                              cfg.optimizer, cfg.lr, cfg.momentum, restore_point,
                              args=cfg.optimizer_args, schedule=cfg.lr_schedule)
 
-        rows = ShardGroup(job, "rowshard", cfg.shards, spawn, load_row_shard,
+        def read(run_dir: str, number: int, i: int) -> dict:
+            return load_row_shard(run_dir, number, i, cfg.shards)
+
+        rows = ShardGroup(job, "rowshard", cfg.shards, spawn, read,
                           self.restores_shards, label="row shard",
                           rejections=row_rejection_error)
         rows.start(self._resumed_rows, self._resumed_from())
