@@ -40,6 +40,7 @@ METHODS = {
     "dc:1": {"delay_compensation": 1.0},
     "dc:10": {"delay_compensation": 10.0},
     "dc:100": {"delay_compensation": 100.0},
+    "dc:1000": {"delay_compensation": 1000.0},
     "ema": {"average": "ema:0.99"},
     "ssp0+slr": {"max_staleness": 0, "staleness_lr": True},
     "ssp0+ema": {"max_staleness": 0, "average": "ema:0.99"},
@@ -136,7 +137,7 @@ def main() -> None:
     p = make_parser(__doc__)
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--lrs", type=float, nargs="+", default=[0.0125, 0.025, 0.05, 0.1, 0.2])
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.00625, 0.0125, 0.025, 0.05, 0.1, 0.2])
     p.add_argument("--seeds", type=int, default=3, help="reported seeds 0..N-1")
     p.add_argument("--tune-seeds", type=int, nargs="+", default=[100, 101])
     p.add_argument("--total", type=int, default=1200, help="mini-batches over all replicas")

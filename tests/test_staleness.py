@@ -147,3 +147,29 @@ def test_max_staleness_holds_replicas_to_the_slowest(k):
         assert ahead_violations(result.events, 0) > 0
     else:
         assert ahead_violations(result.events, k) == 0
+
+
+def sim(replicas, **kw):
+    from torch import nn
+
+    from distbelief.asyncsim import SimConfig, simulate
+
+    ds = data.digits()
+    return simulate(models.mlp(ds.features, 16, ds.classes, 0), nn.CrossEntropyLoss(),
+                    ds.x_train, ds.y_train, ds.x_test, ds.y_test,
+                    SimConfig(replicas, 12, 0.05, eval_every=12, **kw))
+
+
+def test_simulated_equal_speed_replicas_push_about_r_minus_1_stale():
+    plain = sim(4)
+    assert plain.updates == 48 and len(plain.curve) == 4
+    per_shard = {k: v // 2 for k, v in plain.staleness.items()}  # 2 shards count each push
+    assert sum(per_shard.values()) == 48
+    assert abs(plain.mean_staleness() - 3) < 0.5  # jitter swaps some pushes, not the mean
+    assert sim(4) == plain  # seeded: the same run twice
+
+
+def test_simulated_lockstep_spreads_staleness_over_0_to_r_minus_1():
+    lockstep = sim(4, max_staleness=0)
+    per_shard = {k: v // 2 for k, v in lockstep.staleness.items()}
+    assert set(per_shard) <= {0, 1, 2, 3} and per_shard[0] == 12  # one fresh push a round
