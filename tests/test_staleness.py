@@ -113,6 +113,13 @@ def test_ssp_schedule_never_lets_a_replica_run_more_than_k_ahead(order, replicas
     check_ssp(order, replicas, steps, k, segment)
 
 
+def test_a_dropped_replica_no_longer_holds_the_others_back():
+    schedule = SegmentSchedule(30, 0, 10, {0: 3, 1: 10, 2: 10}, max_staleness=0)
+    assert schedule.segment(1) == 0  # waits for replica 0
+    schedule.drop(0)
+    assert schedule.segment(1) == 1  # lockstep with replica 2 only
+
+
 def test_unbounded_schedule_is_unchanged():
     schedule = SegmentSchedule(30, 0, 10, {0: 0, 1: 25})
     assert schedule.segment(0) == 10 and schedule.segment(1) == 5
