@@ -157,8 +157,8 @@ class TrainConfig:
                                  help="with --average: return and save the last parameters, "
                                       "not the average (periodic evaluations still score it)")
     max_staleness: int | None = option(section="downpour", metavar="K", help="SSP: a replica "
-                                       "starts step s once every replica finished s-K (0: "
-                                       "lockstep; default: unbounded)")
+                                       "starts step s once every replica has done s-K steps "
+                                       "(0: lockstep; default: unbounded)")
     staleness_lr: bool = option(False, section="downpour", help="divide each push's lr by its "
                                 "staleness (shard version at apply - version fetched), if > 1")
     delay_compensation: float = option(0.0, section="downpour", metavar="LAMBDA", help="DC-ASGD"
