@@ -180,3 +180,16 @@ def test_simulated_lockstep_spreads_staleness_over_0_to_r_minus_1():
     lockstep = sim(4, max_staleness=0)
     per_shard = {k: v // 2 for k, v in lockstep.staleness.items()}
     assert set(per_shard) <= {0, 1, 2, 3} and per_shard[0] == 12  # one fresh push a round
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_shard_remedies_run_end_to_end_and_keep_one_fetch_per_replica():
+    ds = data.digits()
+    result = DownpourSGD(models.mlp(ds.features, 16, ds.classes, 0), replicas=2, shards=2,
+                         lr=0.05, batch_size=16, steps=40, seed=0, staleness_lr=True,
+                         delay_compensation=1.0, eval_every_s=60).fit(
+        ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+    for s in result.shard_stats:
+        assert s["fetched_copies_bytes"] == 2 * s["size"] * 4  # replicas x slice, float32
+        assert s["updates"] == 80 and s["rejected_total"] == 0
+    assert result.test_accuracy > 0.5  # it trains (chance is 0.1)
