@@ -193,3 +193,17 @@ def test_shard_remedies_run_end_to_end_and_keep_one_fetch_per_replica():
         assert s["fetched_copies_bytes"] == 2 * s["size"] * 4  # replicas x slice, float32
         assert s["updates"] == 80 and s["rejected_total"] == 0
     assert result.test_accuracy > 0.5  # it trains (chance is 0.1)
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad", "adam", "rmsprop"])
+def test_scale_equals_a_rule_at_the_scaled_lr(name):
+    from distbelief.ps.optim import make_rule
+
+    grads = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    scaled, reference = make_rule(name, 0.1), make_rule(name, 0.025)
+    p1, p2 = np.ones(5, dtype=np.float32), np.ones(5, dtype=np.float32)
+    s1, s2 = scaled.init_state(5), reference.init_state(5)
+    for g in grads:
+        scaled.apply(p1, g.copy(), s1, update=0, scale=0.25)
+        reference.apply(p2, g.copy(), s2, update=0)
+    np.testing.assert_allclose(p1, p2, rtol=1e-6, atol=1e-7)
