@@ -58,6 +58,13 @@ BAD = [
     (["--average", "ema:1.5"], "--average 'ema:1.5' is not understood: pass ema:DECAY"),
     (["--average", "polyak", "--algorithm", "sandblaster"],
      "--average averages Downpour's dense shards only, not sandblaster"),
+    (["--max-staleness", "-1"], "--max-staleness must be an integer >= 0 (got -1)"),
+    (["--delay-compensation", "-0.5"], "--delay-compensation must be a finite number >= 0"),
+    (["--delay-compensation", "inf"], "--delay-compensation must be a finite number >= 0"),
+    (["--staleness-lr", "--algorithm", "sandblaster"],
+     "--staleness-lr applies to --algorithm downpour only, not sandblaster"),
+    (["--delay-compensation", "0.1", "--partitions", "2"],
+     "--delay-compensation works on dense pushes only"),
 ]
 
 

@@ -156,6 +156,15 @@ class TrainConfig:
     average_final: bool = option(True, section="downpour",
                                  help="with --average: return and save the last parameters, "
                                       "not the average (periodic evaluations still score it)")
+    max_staleness: int | None = option(section="downpour", metavar="K", help="SSP: a replica "
+                                       "starts step s once every replica has done s-K steps "
+                                       "(0: lockstep; default: unbounded)")
+    staleness_lr: bool = option(False, section="downpour", help="divide each push's lr by its "
+                                "staleness (shard version at apply - version fetched), if > 1")
+    delay_compensation: float = option(0.0, section="downpour", metavar="LAMBDA", help="DC-ASGD"
+                                       ": push g + LAMBDA*g*g*(w_now - w_fetched); each shard "
+                                       "keeps every replica's last fetch (memory: replicas x "
+                                       "model over all shards; 0: off)")
     # sandblaster
     iterations: int = option(40, section="sandblaster", help="L-BFGS iterations at most")
     portions: int = option(0, section="sandblaster",

@@ -87,6 +87,10 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
         from distbelief.ps.average import check_average
 
         check_average(cfg.average, "click data" if cfg.click_data else cfg.algorithm)
+    from distbelief.ps.staleness import check_staleness_flags
+
+    check_staleness_flags(cfg.max_staleness, cfg.staleness_lr, cfg.delay_compensation,
+                          cfg.algorithm, cfg.ranged_updates)
     _positive("lr", cfg.lr)
     _positive("eval_every_s", cfg.eval_every_s)
     if not (isinstance(cfg.eval_budget, (int, float)) and 0 < cfg.eval_budget <= 1):

@@ -99,12 +99,15 @@ class DownpourSGD(Trainer):
                 versions=[s["version"] for s in first])
         job.progress(cfg.replicas * cfg.steps)
         schedule = SegmentSchedule(cfg.steps, cfg.warmstart_steps, SEGMENT_STEPS,
-                                   {i: self.resumed_steps.get(i, 0) for i in replicas.actors})
+                                   {i: self.resumed_steps.get(i, 0) for i in replicas.actors},
+                                   cfg.max_staleness)
         counters: dict[int, dict] = {}
         pending: dict[ray.ObjectRef, int] = {}
         data_read: dict[int, dict] = {}  # each replica's DATA_COUNTERS, from its last reply
 
         def submit(i: int) -> None:
+            if i in pending.values():  # SSP hands idle replicas a segment when one returns
+                return
             n = schedule.segment(i)
             if n:
                 pending[replicas.actors[i].run.remote(n)] = i
@@ -142,6 +145,10 @@ class DownpourSGD(Trainer):
                     except ray.exceptions.RayActorError as err:
                         if replicas.failed(i, schedule.done[i], err, shards):
                             submit(i)
+                        else:
+                            schedule.drop(i)
+                            for j in replicas.actors:
+                                submit(j)
                         continue
                     for e in reply["events"]:
                         job.log("step", **e)

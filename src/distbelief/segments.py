@@ -2,8 +2,11 @@
 
 :class:`SegmentSchedule` (pure) says which replica runs its next segment and for how many
 steps: during warm-start replica 0 runs alone up to ``warmstart_steps``, then every replica
-runs up to ``steps``. :class:`Replicas` holds the replica actors by index and restarts one
-that dies at the step it had reached, up to ``max_restarts`` times, then drops it.
+runs up to ``steps``; with ``max_staleness`` K (SSP, Ho et al. 2013) a segment ends before
+any step s its replica may not start yet: step s starts once every live replica has done at
+least s - K steps (K = 0: lockstep). :class:`Replicas` holds the replica actors by index and
+restarts one that dies at the step it had reached, up to ``max_restarts`` times, then drops
+it.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ class SegmentSchedule:
     far (a resumed run's counts, or zeros)."""
 
     def __init__(self, steps: int, warmstart_steps: int, segment_steps: int,
-                 done: dict[int, int]) -> None:
+                 done: dict[int, int], max_staleness: int | None = None) -> None:
         self.steps = steps
         self.warmstart_steps = warmstart_steps
         self.segment_steps = segment_steps
         self.done = dict(done)
         self.warm = self.done[0] < warmstart_steps
+        self.max_staleness = max_staleness
+        self.live = set(self.done)  # replicas the bound waits for (dropped ones leave)
 
     def first(self, replicas: Iterable[int]) -> list[int]:
         """The replicas that get a segment at the start: replica 0 alone while warm."""
@@ -37,7 +42,11 @@ class SegmentSchedule:
     def segment(self, i: int) -> int:
         """Steps of replica ``i``'s next segment; 0 when it has none (for now)."""
         limit = self.warmstart_steps if self.warm else self.steps
-        return min(self.segment_steps, limit - self.done[i]) if self.done[i] < limit else 0
+        n = min(self.segment_steps, limit - self.done[i])
+        if self.max_staleness is not None and not self.warm:
+            slowest = min(self.done[j] for j in self.live)
+            n = min(n, slowest + self.max_staleness + 1 - self.done[i])
+        return max(n, 0)
 
     def returned(self, i: int, step: int, replicas: Iterable[int]) -> tuple[list[int], bool]:
         """Replica ``i`` has now done ``step`` steps: the replicas among ``replicas`` to hand
@@ -46,7 +55,13 @@ class SegmentSchedule:
         if self.warm and self.done[0] >= self.warmstart_steps:
             self.warm = False
             return [j for j in replicas if self.done[j] < self.steps], True
+        if self.max_staleness is not None and not self.warm:  # it may unblock others
+            return [j for j in replicas if self.done[j] < self.steps], False
         return [i], False
+
+    def drop(self, i: int) -> None:
+        """Replica ``i`` was dropped: the staleness bound no longer waits for it."""
+        self.live.discard(i)
 
     def replica_steps(self) -> dict[str, int]:
         """Each replica's step count, as a checkpoint's manifest records it."""

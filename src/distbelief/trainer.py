@@ -41,6 +41,7 @@ from distbelief.ps.host import FlatHost
 from distbelief.ps.optim import Rule
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
+from distbelief.ps.staleness import StalenessControl
 from distbelief.sources import Rows, as_rows
 
 EVAL_BATCH = 1024  # rows of a Dataset/data-folder test set scored at a time
@@ -190,12 +191,14 @@ class Trainer:
         if self.buffer_plan:
             buffers = BufferAverage(*self.buffer_plan.read(self.model), cfg.replicas)
         average = parse_average(cfg.average) if cfg.average else None
+        control = StalenessControl(cfg.staleness_lr, cfg.delay_compensation)
 
         def spawn(i: int, restore_point: dict | None):
             return job.actor(ParameterShard, "shard", i, i, initial[i], cfg.optimizer,
                              cfg.lr, cfg.momentum, restore_point, args=cfg.optimizer_args,
                              schedule=cfg.lr_schedule, rows=cfg.ranged_updates,
-                             buffers=buffers if i == 0 else None, average=average)
+                             buffers=buffers if i == 0 else None, average=average,
+                             control=control if control.active else None)
 
         def read(run_dir: Path, number: int, i: int) -> dict:
             return load_shard(run_dir, number, i, plan, self._state_names(),

@@ -81,7 +81,7 @@ class PSClient:
         """Send a fetch to every shard, after every push sent before it; don't wait."""
         if self._dead:
             self._reconnect_dead()
-        return [s.fetch.remote(True) if buffers and i == 0 else s.fetch.remote()
+        return [s.fetch.remote(buffers and i == 0, self.replica)
                 for i, s in enumerate(self.shards)]
 
     def fetch_finish(self, refs: list[ray.ObjectRef], flat: np.ndarray,
@@ -172,7 +172,7 @@ class PSClient:
                 self.retried += 1
                 want = buffers is not None and s == 0
                 [(version, part, *served)] = self._refetch(
-                    [self.shards[s].fetch.remote(want)], [s], buffers=want)
+                    [self.shards[s].fetch.remote(want, self.replica)], [s], buffers=want)
             flat[lo:hi] = part
             if served:
                 self.buffers = served[0]
@@ -295,7 +295,7 @@ class PSClient:
                 except ray.exceptions.RayActorError:
                     self._reconnect(s)
                     self.retried += 1
-                    ref = self.shards[s].fetch.remote(buffers and s == 0)
+                    ref = self.shards[s].fetch.remote(buffers and s == 0, self.replica)
             else:
                 raise ShardUnavailable(f"shard {s} died {FETCH_TRIES} times during one fetch")
         return replies

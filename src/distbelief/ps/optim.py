@@ -45,8 +45,9 @@ class Rule(Protocol):
         """Fresh state for a slice of ``n`` elements."""
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: State,
-              update: int | None = None) -> None:
-        """Update ``param`` and ``state`` in place; ``update``: the shard's version."""
+              update: int | None = None, scale: float = 1.0) -> None:
+        """Update ``param`` and ``state`` in place; ``update``: the shard's version;
+        ``scale``: a factor on this update's learning rate (``--staleness-lr``)."""
 
 
 CHUNK = 1 << 17  # elements per chunk (512 KiB of float32): temporaries stay in L2
@@ -87,8 +88,8 @@ class SGD:
         return scheduled_lr(self.lr, self.schedule, update)
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: State,
-              update: int | None = None) -> None:
-        lr = np.float32(self.lr_at(update))
+              update: int | None = None, scale: float = 1.0) -> None:
+        lr = np.float32(self.lr_at(update) * scale)
         for p, g, t in chunks(param, grad):
             np.multiply(g, lr, out=t)
             p -= t
@@ -102,8 +103,8 @@ class Momentum(SGD):
     state_names: tuple[str, ...] = ("velocity",)
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: State,
-              update: int | None = None) -> None:
-        lr, mu = np.float32(self.lr_at(update)), np.float32(self.momentum)
+              update: int | None = None, scale: float = 1.0) -> None:
+        lr, mu = np.float32(self.lr_at(update) * scale), np.float32(self.momentum)
         for p, g, v, t in chunks(param, grad, state["velocity"]):
             v *= mu
             v += g
@@ -131,8 +132,8 @@ class Adagrad(SGD):
     state_names: tuple[str, ...] = ("accumulator",)
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: State,
-              update: int | None = None) -> None:
-        lr, eps = np.float32(self.lr_at(update)), np.float32(self.eps)
+              update: int | None = None, scale: float = 1.0) -> None:
+        lr, eps = np.float32(self.lr_at(update) * scale), np.float32(self.eps)
         for p, g, acc, t in chunks(param, grad, state["accumulator"]):
             np.multiply(g, g, out=t)
             acc += t

@@ -7,6 +7,7 @@ import numpy as np
 from distbelief.ps.codec import WIRE_DTYPES, all_finite, decode_into
 from distbelief.ps.optim import Rule
 from distbelief.ps.slice import ShardSlice
+from distbelief.ps.staleness import compensate
 
 PUSH_DTYPES = tuple(WIRE_DTYPES.values())  # float32, float16, bfloat16 bits (uint16)
 
@@ -18,11 +19,15 @@ class PushFetch(ShardSlice):
     def __init__(self, shard_id: int, init: np.ndarray, rule: Rule) -> None:
         super().__init__(shard_id, init, rule)
         self._wide: np.ndarray | None = None  # float32 scratch for 16-bit pushes
+        self._compensated: np.ndarray | None = None  # float32 scratch for DC-ASGD
 
-    def fetch(self, buffers: bool = False) -> tuple:
+    def fetch(self, buffers: bool = False, replica: int = -1) -> tuple:
         """Current version and a read-only view of the slice (callers must copy to keep it);
-        with ``buffers`` also the model's buffers this shard holds (None if it holds none)."""
+        with ``buffers`` also the model's buffers this shard holds (None if it holds none).
+        ``replica``: who fetches (with ``--delay-compensation`` the shard keeps a copy)."""
         self.fetches += 1
+        if self.fetched is not None and int(replica) >= 0:  # not the driver's evaluations
+            self.fetched.remember(int(replica), self.params)
         view = self.params.view()
         view.flags.writeable = False
         if buffers:
@@ -59,8 +64,11 @@ class PushFetch(ShardSlice):
         if reason is not None:
             self.rejected[reason] += 1
             return False
-        self.staleness[self.version - int(fetched_version)] += 1
-        self.rule.apply(self.params, grad, self.state, update=self.version)
+        stale = self.version - int(fetched_version)
+        self.staleness[stale] += 1
+        grad = self._compensate(grad, int(replica))
+        self.rule.apply(self.params, grad, self.state, update=self.version,
+                        scale=self.control.scale(stale))
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
         self.applied(buffers)
@@ -73,7 +81,18 @@ class PushFetch(ShardSlice):
         a step and fetches at the start of the next); with ``buffers`` (a report) also the
         buffers after it."""
         applied = self.push(grad, fetched_version, replica, buffers)
-        return (applied, *self.fetch(buffers is not None))
+        return (applied, *self.fetch(buffers is not None, replica))
+
+    def _compensate(self, grad: np.ndarray, replica: int) -> np.ndarray:
+        """``grad`` with DC-ASGD's correction towards the current slice when the shard keeps
+        ``replica``'s last fetch (``--delay-compensation``); else ``grad`` itself."""
+        fetched = None if self.fetched is None else self.fetched.get(replica)
+        if fetched is None:
+            return grad
+        if self._compensated is None:
+            self._compensated = np.empty_like(self.params)
+        return compensate(grad, self.params, fetched, self.control.dc_lambda,
+                          self._compensated)
 
     def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
                   replica: int = -1, buffers: tuple | None = None) -> bool:

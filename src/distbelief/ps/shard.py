@@ -18,6 +18,7 @@ from distbelief.ps.average import AverageSpec
 from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.optim import make_rule
 from distbelief.ps.pushfetch import PushFetch
+from distbelief.ps.staleness import StalenessControl
 from distbelief.ps.torchrule import TorchRule, one_torch_thread
 from distbelief.ps.vectors import VectorStore
 
@@ -36,16 +37,18 @@ class ParameterShard(ShardCore):
                  momentum: float = 0.9, restored: dict | None = None, *,
                  args: Mapping[str, object] | None = None, schedule: str | None = None,
                  rows: bool = False, buffers: BufferAverage | None = None,
-                 average: AverageSpec | None = None) -> None:
+                 average: AverageSpec | None = None,
+                 control: StalenessControl | None = None) -> None:
         """Shard ``shard_id`` of ``init`` (float32), updated by ``make_rule(optimizer, lr,
         momentum, args, schedule, rows)`` (``rows``: pushes come as ranges); ``restored``: a
         checkpoint's ``{"arrays", "version", "counters"}`` to start from; ``buffers`` (shard 0
-        of a model with buffers) and ``average`` (``--average``) as in :class:`ShardCore`."""
+        of a model with buffers), ``average`` (``--average``) and ``control`` (``--staleness-lr``,
+        ``--delay-compensation``) as in :class:`ShardCore`."""
         rule = make_rule(optimizer, lr, momentum, args, schedule, rows=rows)
         if isinstance(rule, TorchRule):
             one_torch_thread()
         super().__init__(shard_id, init, rule)
-        self.keep_extras(buffers, average)
+        self.keep_extras(buffers, average, control)
         if restored is not None:
             self.restore(restored["arrays"], restored["version"], restored.get("counters"))
 

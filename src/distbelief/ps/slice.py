@@ -20,6 +20,7 @@ from distbelief.ps.average import AverageSpec, ParamAverage
 from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.codec import all_finite
 from distbelief.ps.optim import Rule
+from distbelief.ps.staleness import FetchedCopies, StalenessControl
 
 ACCEPTED_DTYPES = (np.float32,)
 
@@ -44,12 +45,19 @@ class ShardSlice:
         self.buffers: BufferAverage | None = None  # the model's buffers (shard 0 only)
         self.average: ParamAverage | None = None  # --average
         self.buffer_reports = 0
+        self.control = StalenessControl()  # --staleness-lr, --delay-compensation: off
+        self.fetched: FetchedCopies | None = None  # each replica's last fetch (DC-ASGD)
 
-    def keep_extras(self, buffers: BufferAverage | None, average: AverageSpec | None) -> None:
-        """Hold the model's buffers (``buffers``: shard 0 of a model that has some) and keep
-        an average of the slice over updates (``average``: ``--average``)."""
+    def keep_extras(self, buffers: BufferAverage | None, average: AverageSpec | None,
+                    control: StalenessControl | None = None) -> None:
+        """Hold the model's buffers (``buffers``: shard 0 of a model that has some), keep
+        an average of the slice over updates (``average``: ``--average``), and apply the
+        staleness remedies of ``control`` (with delay compensation, keep each replica's last
+        fetched slice)."""
         self.buffers = buffers
         self.average = None if average is None else ParamAverage(average, self.params)
+        self.control = control or StalenessControl()
+        self.fetched = FetchedCopies(self.params.size) if self.control.dc_lambda > 0 else None
 
     def applied(self, report: object = None) -> None:
         """After an update: fold it into the average, and a replica's buffer ``report``
@@ -156,4 +164,5 @@ class ShardSlice:
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "pushes_by_replica": {str(k): v for k, v in sorted(self.pushes_by_replica.items())},
             "buffer_reports": self.buffer_reports,
+            "fetched_copies_bytes": 0 if self.fetched is None else self.fetched.nbytes(),
         }

