@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["FIELDS", "PushId", "PushLedger", "account", "key_of", "parse_key"]
+__all__ = ["FIELDS", "PushId", "PushLedger", "account", "key_of", "next_incarnation",
+           "parse_key"]
 
 PushId = tuple[int, int, int]  # (replica, incarnation, seq)
 FIELDS = ("high", "applied", "rejected", "duplicates", "gaps")
@@ -31,6 +32,13 @@ def key_of(replica: int, incarnation: int) -> str:
 def parse_key(key: str) -> tuple[int, int]:
     replica, incarnation = key.split(":")
     return int(replica), int(incarnation)
+
+
+def next_incarnation(stats: Iterable[Mapping]) -> int:
+    """The first incarnation no shard's ledger (``stats[i]["ledger"]``) has seen: 1 for a new
+    run, past every earlier one for a resumed run."""
+    seen = [parse_key(k)[1] for s in stats for k in s.get("ledger", {})]
+    return max(seen, default=0) + 1
 
 
 class PushLedger:

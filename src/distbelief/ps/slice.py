@@ -125,7 +125,7 @@ class ShardSlice:
         return {"fetches": self.fetches, "rejected": dict(self.rejected),
                 "pushes_by_replica": {str(k): v for k, v in self.pushes_by_replica.items()},
                 "staleness": {str(k): v for k, v in self.staleness.items()},
-                "ledger": self.ledger.to_json()}
+                "ledger": self.ledger.to_json(), "buffer_reports": self.buffer_reports}
 
     def snapshot(self) -> dict:
         """A copy of everything :meth:`save` writes, as :meth:`restore` takes it (``arrays``,
@@ -160,6 +160,7 @@ class ShardSlice:
             self.staleness = Counter({int(k): v for k, v in
                                       counters.get("staleness", {}).items()})
             self.ledger = PushLedger(counters.get("ledger"))
+            self.buffer_reports = int(counters.get("buffer_reports", 0))
 
     def stats(self) -> dict:
         """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
