@@ -75,15 +75,19 @@ def test_load_checkpoint_reads_only_the_asked_shard_and_refuses_bad_vectors(tmp_
 
 
 def test_push_accounting_splits_sent_into_where_it_went():
-    first = [{"version": 10, "rejected_total": 1}, {"version": 10, "rejected_total": 1}]
-    last = [{"version": 30, "rejected_total": 3}, {"version": 22, "rejected_total": 2}]
-    counters = [{"pushes": 12, "dropped_by_shard": [0, 1]},
-                {"pushes": 10, "dropped_by_shard": [0, 2]}]
-    healthy, restored = push_accounting(first, last, counters)
+    # shard ledgers per replica incarnation: [high seq, applied, rejected, duplicates, gaps]
+    first = [{"ledger": {"0:1": [4, 4, 0, 0, 0]}}, {"ledger": {"0:1": [4, 4, 0, 0, 0]}}]
+    last = [{"ledger": {"0:1": [4, 4, 0, 0, 0], "0:2": [12, 11, 1, 0, 0],
+                        "1:3": [10, 9, 1, 0, 0]}},
+            {"ledger": {"0:1": [4, 4, 0, 0, 0], "0:2": [12, 7, 0, 0, 2],
+                        "1:3": [10, 5, 1, 0, 2]}}]  # restored from a checkpoint mid-run
+    finished = {0: {"incarnation": 2, "pushes": 12, "dropped_by_shard": [0, 1]},
+                1: {"incarnation": 3, "pushes": 10, "dropped_by_shard": [0, 2]}}
+    healthy, restored = push_accounting(first, last, finished)
     assert healthy == {"shard": 0, "sent": 22, "applied": 20, "rejected": 2, "dropped": 0,
-                       "lost_with_shard": 0}
+                       "lost_with_shard": 0, "duplicates": 0, "exact": True}
     assert restored == {"shard": 1, "sent": 22, "applied": 12, "rejected": 1, "dropped": 3,
-                        "lost_with_shard": 6}
+                        "lost_with_shard": 6, "duplicates": 0, "exact": True}
 
 
 # Downpour: a shard actor killed mid-run.

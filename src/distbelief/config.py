@@ -102,6 +102,9 @@ class TrainConfig:
     # parallelism
     replicas: int = option(2, section="parallelism", help="model replicas")
     shards: int = option(2, section="parallelism", help="parameter-server shards")
+    shard_backups: int = option(0, section="parallelism", metavar="N",
+                                help="downpour: hot standbys per shard; a dead shard fails over "
+                                     "to one and loses no push (0: restart from checkpoint)")
     partitions: int = option(1, section="parallelism",
                              help="split each replica's model over K partition actors")
     partition_by: str = option("auto", section="parallelism", choices=PARTITION_BY,
@@ -259,7 +262,7 @@ class TrainConfig:
         - ``portions`` 0: ``PORTIONS_PER_REPLICA`` per replica (Sandblaster caps it at the
           training rows).
         - ``num_cpus`` ``None``: one logical CPU per actor, ``replicas * partitions +
-          shards``, at least 2 (used by an embedded Ray only).
+          shards * (1 + shard_backups)``, at least 2 (used by an embedded Ray only).
         - ``run_dir`` ``None``: the ``resume`` folder; else, on the command line
           (``command_line=True``), ``runs/<local time>`` (the Python API keeps none).
         - ``address`` ``None``: on the command line, ``$RAY_ADDRESS`` (else embedded).
@@ -275,7 +278,8 @@ class TrainConfig:
         if self.device == "auto" and self.gpus_per_replica == 0:
             self.device = "cpu"
         if self.num_cpus is None:
-            self.num_cpus = max(2, self.replicas * self.partitions + self.shards)
+            self.num_cpus = max(2, self.replicas * self.partitions
+                                + self.shards * (1 + self.shard_backups))
         if self.run_dir is None:
             self.run_dir = self.resume
         if command_line:

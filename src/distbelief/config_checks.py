@@ -75,6 +75,10 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
         if getattr(cfg, name) is not None:
             _at_least(name, getattr(cfg, name), 1)
     _at_least("hidden", cfg.hidden, 0)
+    _at_least("shard_backups", cfg.shard_backups, 0)
+    if cfg.shard_backups and (cfg.algorithm != "downpour" or cfg.click_data):
+        raise UserError(f"{flag('shard_backups')} keeps standbys of dense Downpour shards "
+                        "only: drop it for this run (--algorithm sandblaster, click data)")
     _at_least("classes", cfg.classes, 2)
     for name in ("iterations", "portions_per_push", "history"):
         _at_least(name, getattr(cfg, name), 1)
@@ -91,6 +95,10 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
 
     check_staleness_flags(cfg.max_staleness, cfg.staleness_lr, cfg.delay_compensation,
                           cfg.algorithm, cfg.ranged_updates)
+    if cfg.shard_backups and cfg.delay_compensation:
+        raise UserError(f"{flag('shard_backups')} with {flag('delay_compensation')}: standbys "
+                        "apply pushes without the replicas' fetched copies that delay "
+                        "compensation needs, so they would drift from the primary: drop one")
     _positive("lr", cfg.lr)
     _positive("eval_every_s", cfg.eval_every_s)
     if not (isinstance(cfg.eval_budget, (int, float)) and 0 < cfg.eval_budget <= 1):

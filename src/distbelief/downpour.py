@@ -24,6 +24,7 @@ from distbelief.errors import UserError
 from distbelief.evaluation import Evaluations
 from distbelief.job import Cadence
 from distbelief.ps.group import ShardSet
+from distbelief.ps.ledger import account, key_of, next_incarnation
 from distbelief.replica import DATA_COUNTERS, DownpourReplica
 from distbelief.segments import Replicas, SegmentSchedule, Start
 from distbelief.trainer import Evaluator, Trainer, TrainResult
@@ -57,8 +58,9 @@ class DownpourSGD(Trainer):
         its own rows, see :class:`~distbelief.replica.ReplicaLoop`)."""
         cfg = self.cfg
 
-        def start(i: int, step: int = 0) -> ray.actor.ActorHandle:
-            return self.job.actor(DownpourReplica, "replica", i, i, self._host(blueprint, shards),
+        def start(i: int, step: int = 0, incarnation: int = 0) -> ray.actor.ActorHandle:
+            return self.job.actor(DownpourReplica, "replica", i, i,
+                                  self._host(blueprint, shards, incarnation),
                                   self.loss_fn, x_ref, y_ref, cfg, step,
                                   options=gpu_options(cfg.gpus_per_replica))
 
@@ -80,7 +82,8 @@ class DownpourSGD(Trainer):
         shipped = (ray.put(x), ray.put(y)) if y is not None else (x, None)
         start = self.replica_starter(shards, blueprint, *shipped)
         steps = {i: self.resumed_steps.get(i, 0) for i in range(self.cfg.replicas)}
-        replicas = Replicas(self.job, start, steps, MAX_RESTARTS)
+        incarnation = next_incarnation(shards.retry(shards.stats))  # new after a resume
+        replicas = Replicas(self.job, start, steps, MAX_RESTARTS, incarnation)
         try:
             return self._drive(shards, replicas, evaluator)
         finally:
@@ -170,33 +173,33 @@ class DownpourSGD(Trainer):
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
         evals.stop(collect=True)
-        counters.update(replicas.finish())
+        finished = replicas.finish()  # live incarnations' final counters
+        counters.update(finished)
         for i, read in sorted(data_read.items()):  # where each replica read its rows
             job.log("replica_data", replica=i, **read)
         checkpoint()
         final = evaluate(cfg.average is not None and cfg.average_final)
         stats = shards.retry(shards.stats)
-        if all("dropped_by_shard" in c for c in counters.values()):
-            job.log("push_accounting", exact=not replicas.restarted(),
-                    shards=push_accounting(first, stats, list(counters.values())))
+        if all("incarnation" in c for c in finished.values()):
+            shards_out = push_accounting(first, stats, finished)
+            job.log("push_accounting", exact=all(s.pop("exact") for s in shards_out),
+                    shards=shards_out)
         updates = sum(c["pushes"] for c in counters.values())
         return self._result(evaluator, shards, final, updates, stats, counters)
 
 
-def push_accounting(first: list[dict], last: list[dict], counters: list[dict]) -> list[dict]:
-    """Where every push to each shard went, from shard stats at the start and end of a run
-    and the replicas' counters: ``sent == applied + rejected + dropped + lost_with_shard``.
+def push_accounting(first: list[dict], last: list[dict], finished: dict[int, dict]
+                    ) -> list[dict]:
+    """Where every push to each shard went, from the shards' push ledgers at the start and
+    end of a run (their stats' ``ledger``) and the counters of each replica incarnation that
+    finished: ``sent == applied + rejected + dropped + lost_with_shard``, per shard, with
+    ``duplicates`` (resends taken once) and ``exact`` (see :func:`distbelief.ps.ledger.
+    account`: a replica that died counts as sent the pushes the shard took from it).
 
-    ``dropped`` pushes were never acknowledged (the shard had died); ``lost_with_shard``
-    ones were acknowledged, then rolled back when the shard restarted from a checkpoint.
-    Exact while no replica restarted (a dead replica's last counters are unknown).
+    ``dropped`` pushes were never acknowledged (the shard had died, no standby);
+    ``lost_with_shard`` ones were acknowledged, then rolled back when the shard restarted
+    from a checkpoint (0 with ``--shard-backups``).
     """
-    sent = sum(c["pushes"] for c in counters)
-    out = []
-    for s, (a, b) in enumerate(zip(first, last)):
-        applied = b["version"] - a["version"]
-        rejected = b["rejected_total"] - a["rejected_total"]
-        dropped = sum(c["dropped_by_shard"][s] for c in counters)
-        out.append({"shard": s, "sent": sent, "applied": applied, "rejected": rejected,
-                    "dropped": dropped, "lost_with_shard": sent - applied - rejected - dropped})
-    return out
+    clients = {key_of(i, c["incarnation"]): c for i, c in finished.items()}
+    return [account(a.get("ledger", {}), b.get("ledger", {}), clients, s)
+            for s, (a, b) in enumerate(zip(first, last))]

@@ -9,6 +9,7 @@ parameters; what differs lives in the host (:mod:`distbelief.host`).
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from collections import deque
@@ -59,6 +60,10 @@ class ReplicaLoop:
 
     def where(self) -> str:
         return cluster.node_id()
+
+    def pid(self) -> int:
+        """This replica's process id (fault tests SIGKILL it)."""
+        return os.getpid()
 
     def partitions(self) -> list:
         """The partition actors of a model-parallel replica (for tools and fault tests)."""

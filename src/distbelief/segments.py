@@ -18,7 +18,7 @@ import ray
 from distbelief.job import Job
 from distbelief.ps.group import ShardSet
 
-Start = Callable[[int, int], ray.actor.ActorHandle]  # replica i's actor, starting at a step
+Start = Callable[[int, int, int], ray.actor.ActorHandle]  # replica i at a step, incarnation
 
 
 class SegmentSchedule:
@@ -69,15 +69,22 @@ class SegmentSchedule:
 
 
 class Replicas:
-    """The run's replica actors, started by ``start(i, step)`` at the steps ``steps``."""
+    """The run's replica actors, started by ``start(i, step, incarnation)`` at the steps
+    ``steps``; each start gets a new incarnation (push ids, :mod:`distbelief.ps.ledger`),
+    from ``first_incarnation`` on."""
 
     def __init__(self, job: Job, start: Start, steps: dict[int, int],
-                 max_restarts: int) -> None:
+                 max_restarts: int, first_incarnation: int = 1) -> None:
         self.job = job
         self._start = start
         self.max_restarts = max_restarts
-        self.actors = {i: start(i, step) for i, step in steps.items()}
+        self._next = first_incarnation
+        self.actors = {i: self._started(i, step) for i, step in steps.items()}
         self.restarts = dict.fromkeys(self.actors, 0)
+
+    def _started(self, i: int, step: int) -> ray.actor.ActorHandle:
+        self._next += 1
+        return self._start(i, step, self._next - 1)
 
     def where(self) -> list[str]:
         """The node each replica runs on."""
@@ -95,7 +102,7 @@ class Replicas:
         if self.restarts[i] > self.max_restarts:
             self.actors.pop(i)
             return False
-        self.actors[i] = self._start(i, step)
+        self.actors[i] = self._started(i, step)
         return True
 
     def restarted(self) -> bool:

@@ -36,6 +36,7 @@ from distbelief.modelpar.host import PartitionedHost
 from distbelief.ps.average import parse_average
 from distbelief.ps.buffers import BufferAverage, BufferPlan
 from distbelief.ps.client import PSClient
+from distbelief.ps.failover import FailoverGroup
 from distbelief.ps.group import ShardGroup, ShardSet
 from distbelief.ps.host import FlatHost
 from distbelief.ps.optim import Rule
@@ -134,7 +135,7 @@ class Trainer:
         with cluster.session(cfg.address, num_cpus=cfg.num_cpus,
                              object_store_memory=store_bytes(in_memory, self.plan)):
             if cfg.address is not None:  # a cluster's CPUs, known once connected
-                check_cpus(cfg.replicas, cfg.partitions, cfg.shards,
+                check_cpus(cfg.replicas, cfg.partitions, cfg.shards * (1 + cfg.shard_backups),
                            Resources.from_ray(ray.cluster_resources()))
             resumed = int(self.restored[0]["checkpoint"]) if self.restored else 0
             self.job = Job(self.run_id, self.algorithm, cfg.run_dir, progress, resumed)
@@ -193,9 +194,10 @@ class Trainer:
         average = parse_average(cfg.average) if cfg.average else None
         control = StalenessControl(cfg.staleness_lr, cfg.delay_compensation)
 
-        def spawn(i: int, restore_point: dict | None):
-            return job.actor(ParameterShard, "shard", i, i, initial[i], cfg.optimizer,
-                             cfg.lr, cfg.momentum, restore_point, args=cfg.optimizer_args,
+        def spawn(i: int, restore_point: dict | None, role: str = "shard", index: int = -1):
+            return job.actor(ParameterShard, role, i if index < 0 else index, i, initial[i],
+                             cfg.optimizer, cfg.lr, cfg.momentum, restore_point,
+                             args=cfg.optimizer_args,
                              schedule=cfg.lr_schedule, rows=cfg.ranged_updates,
                              buffers=buffers if i == 0 else None, average=average,
                              control=control if control.active else None)
@@ -204,20 +206,27 @@ class Trainer:
             return load_shard(run_dir, number, i, plan, self._state_names(),
                               self._rule().scalar_names)
 
-        group = ShardGroup(job, "shard", plan.shards, spawn, read, self.restores_shards)
+        group = (ShardGroup if not cfg.shard_backups else partial(
+            FailoverGroup, backups=cfg.shard_backups,
+            directory=self.actor_name("directory", 0)))(
+            job, "shard", plan.shards, spawn, read, self.restores_shards)
         return group.start(restored, self._resumed_from())
 
-    def _host(self, model: nn.Module, shards: ShardSet) -> HostFactory:
+    def _host(self, model: nn.Module, shards: ShardSet, incarnation: int = 0) -> HostFactory:
         """The one place a run chooses how its replicas hold parameters (a
         :class:`~distbelief.host.ParamHost`): one flat buffer, or a model-parallel group of
         partition actors; a subclass with other parameters (row-sparse tables) returns its
-        own. Built at each replica start, so a restarted replica sees revived shards."""
+        own. Built at each replica start (``incarnation``: see :mod:`distbelief.ps.ledger`),
+        so a restarted replica sees revived shards."""
         if self.cfg.partitions > 1:
             return partial(PartitionedHost, model, self.plan, shards.handles(),
                            self._partition_plan)
         return partial(FlatHost, model, self.plan, shards.handles(),
                        grad_dtype=self.cfg.grad_dtype, device=self.cfg.device,
-                       names=[self.actor_name("shard", i) for i in range(self.plan.shards)])
+                       names=[self.actor_name("shard", i) for i in range(self.plan.shards)],
+                       incarnation=incarnation, resend=self.cfg.shard_backups > 0,
+                       directory=self.actor_name("directory", 0) if self.cfg.shard_backups
+                       else None)
 
     def _evaluator(self, test) -> Evaluator:
         """The driver's copy of the model, scoring ``test`` (None: no test set)."""

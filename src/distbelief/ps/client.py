@@ -21,6 +21,7 @@ from distbelief.ps.plan import ShardPlan
 INLINE_BYTES = 100 * 1024  # Ray inlines smaller arguments in the call; larger go via ray.put
 RECONNECT_S = 60.0  # how long a client waits for the driver to restart a dead shard
 FETCH_TRIES = 3  # fetches of one shard (first try + retries) before giving up
+Call = tuple[int, ray.ObjectRef, tuple]  # shard, reply, (method, args, kwargs) to resend
 
 
 class ShardUnavailable(RuntimeError):
@@ -39,11 +40,18 @@ class PSClient:
     and is retried (counted in ``retried``); a push a dead shard never acknowledged is
     dropped and counted (``dropped``, ``dropped_by_shard``). Without names a dead shard's
     error propagates.
+
+    With an ``incarnation`` (> 0, one client per replica incarnation) every push carries an
+    id ``(replica, incarnation, seq)`` (:mod:`distbelief.ps.ledger`).
+    With ``resend`` (shards with hot standbys) a push a dead shard never acknowledged is
+    kept and sent again, with its id, to the standby the driver promoted, found through
+    the run's ``directory`` actor (its name); the shard's ledger takes it at most once.
     """
 
     def __init__(self, shards: Sequence[ray.actor.ActorHandle], plan: ShardPlan,
                  replica: int = -1, grad_dtype: str = "float32", max_in_flight: int = 1,
-                 names: Sequence[str] | None = None) -> None:
+                 names: Sequence[str] | None = None, incarnation: int = 0,
+                 resend: bool = False, directory: str | None = None) -> None:
         if len(shards) != plan.shards:
             raise ValueError(f"plan has {plan.shards} shards, got {len(shards)} handles")
         self.shards = list(shards)
@@ -55,7 +63,9 @@ class PSClient:
         self.rejected = 0
         self.grad_dtype = grad_dtype
         self.max_in_flight = max(1, int(max_in_flight))
-        self._in_flight: deque[list[ray.ObjectRef]] = deque()
+        self._in_flight: deque[list[Call]] = deque()
+        self.incarnation, self.seq = int(incarnation), 0
+        self.resend, self.directory, self.resent = resend, directory, 0
         self._one_node: bool | None = None  # all shards on one node: one object per push
         self.names = list(names) if names is not None else None
         self.dropped = 0
@@ -119,25 +129,22 @@ class PSClient:
         self._drain(self.max_in_flight - 1)
         if self._dead:
             self._reconnect_dead()
-        bounds, refs = self.plan.bounds, []
+        bounds, refs, pid = self.plan.bounds, [], self._next_id()
         if self._one_node is None:
             self._one_node = len(self.shards) > 1 and len(set(ray.get(
                 [s.node.remote() for s in self.shards]))) == 1
         if self._one_node and flat_grad.nbytes > INLINE_BYTES:
             whole = ray.put(encode(flat_grad, self.grad_dtype))
             self._in_flight.append([
-                shard.push_part.remote(whole, lo, version, self.replica, **kw)
-                for shard, lo, version, kw in zip(self.shards, bounds, self.versions, more)])
-            self.pushes += 1
+                self._call(s, "push_part", (whole, lo, version, self.replica), kw | pid)
+                for s, (lo, version, kw) in enumerate(zip(bounds, self.versions, more))])
             return
-        for shard, lo, hi, version, kw in zip(self.shards, bounds, bounds[1:], self.versions,
-                                              more):
+        for s, (lo, hi, version, kw) in enumerate(zip(bounds, bounds[1:], self.versions, more)):
             part = encode(flat_grad[lo:hi], self.grad_dtype)
             if part.nbytes > INLINE_BYTES:
                 part = ray.put(part)
-            refs.append(shard.push.remote(part, version, self.replica, **kw))
+            refs.append(self._call(s, "push", (part, version, self.replica), kw | pid))
         self._in_flight.append(refs)
-        self.pushes += 1
 
     def push_fetch_into(self, flat_grad: np.ndarray, flat: np.ndarray,
                         buffers: tuple | None = None) -> list[int]:
@@ -150,18 +157,18 @@ class PSClient:
         self._drain(0)
         if self._dead:
             self._reconnect_dead()
-        bounds = self.plan.bounds
-        refs = []
-        for shard, lo, hi, version in zip(self.shards, bounds, bounds[1:], self.versions):
+        bounds, pid = self.plan.bounds, self._next_id()
+        calls = []
+        for s, (lo, hi, version) in enumerate(zip(bounds, bounds[1:], self.versions)):
             part = encode(flat_grad[lo:hi], self.grad_dtype)
             if part.nbytes > INLINE_BYTES:
                 part = ray.put(part)
-            kw = {"buffers": buffers} if buffers is not None and not refs else {}
-            refs.append(shard.push_fetch.remote(part, version, self.replica, **kw))
-        self.pushes += 1
-        for s, (ref, lo, hi) in enumerate(zip(refs, bounds, bounds[1:])):
+            kw = {"buffers": buffers} if buffers is not None and not calls else {}
+            calls.append(self._call(s, "push_fetch", (part, version, self.replica), kw | pid))
+        for s, ((_, ref, call), lo, hi) in enumerate(zip(calls, bounds, bounds[1:])):
             try:
-                applied, version, part, *served = ray.get(ref)
+                applied, version, part, *served = (
+                    self._resent(s, ref, call) if self.resend else ray.get(ref))
                 self.rejected += not applied
             except ray.exceptions.RayActorError:
                 if self.names is None:
@@ -220,16 +227,15 @@ class PSClient:
     def push_ranges(self, ranges: list[tuple[int, int]], grad: np.ndarray) -> None:
         """Push the gradient of global flat ``ranges`` (concatenated) to the shards owning them."""
         self.wait()
-        local = self.local_ranges(ranges)
+        local, pid = self.local_ranges(ranges), self._next_id()
         offset, refs = 0, []
         for s, r in enumerate(local):
             size = sum(hi - lo for lo, hi in r)
             if size:
-                refs.append(self.shards[s].push_ranges.remote(
-                    r, grad[offset: offset + size], self.versions[s], self.replica))
+                refs.append(self._call(s, "push_ranges", (r, grad[offset: offset + size],
+                                                          self.versions[s], self.replica), pid))
             offset += size
         self._in_flight.append(refs)
-        self.pushes += 1
 
     def fetch_vector_ranges(self, vector: str, ranges: list[tuple[int, int]]) -> np.ndarray:
         """The concatenated values of global flat ``ranges`` of a Sandblaster vector."""
@@ -258,29 +264,57 @@ class PSClient:
     def _drain(self, keep: int) -> None:
         """Wait for the oldest pushes until at most ``keep`` are outstanding."""
         while len(self._in_flight) > keep:
-            refs = self._in_flight.popleft()
+            calls = self._in_flight.popleft()
             try:
-                accepted = ray.get(refs)
+                accepted = ray.get([ref for _, ref, _ in calls])
             except ray.exceptions.RayActorError:
                 if self.names is None:
                     raise
-                accepted = self._settle(refs)
+                accepted = self._settle(calls)
             self.rejected += accepted.count(False)
 
-    # A shard's restart (slow path, only after a RayActorError).
+    def _next_id(self) -> dict:
+        """A new push: counted as sent; its id as the keyword the shards take (none for a
+        client without an incarnation: several such clients, a replica's partitions, may
+        push for one replica)."""
+        self.seq += 1
+        self.pushes += 1
+        return {"pid": (self.replica, self.incarnation, self.seq)} if self.incarnation else {}
 
-    def _settle(self, refs: list[ray.ObjectRef]) -> list[bool | None]:
-        """Each shard's answer to one push; None (dropped, counted) where the shard died."""
+    def _call(self, s: int, method: str, args: tuple, kwargs: dict) -> Call:
+        """Send ``method(*args, **kwargs)`` to shard ``s``; what :meth:`_resent` needs to
+        send it again."""
+        call = (method, args, kwargs)
+        return s, getattr(self.shards[s], method).remote(*args, **kwargs), call
+
+    # A shard's restart or failover (slow path, only after a RayActorError).
+
+    def _settle(self, calls: list[Call]) -> list[bool | None]:
+        """Each shard's answer to one push; None (dropped, counted) where the shard died,
+        unless it is resent to the standby that took over (``resend``)."""
         out: list[bool | None] = []
-        for s, ref in enumerate(refs):
+        for s, ref, call in calls:
             try:
-                out.append(ray.get(ref))
+                out.append(self._resent(s, ref, call) if self.resend else ray.get(ref))
             except ray.exceptions.RayActorError:
                 out.append(None)
                 self.dropped += 1
                 self.dropped_by_shard[s] += 1
                 self._dead.add(s)
         return out
+
+    def _resent(self, s: int, ref: ray.ObjectRef, call: tuple):
+        """The answer to ``ref``, a call to shard ``s``; if the shard died, ``call`` sent
+        again to the shard that took over (up to ``FETCH_TRIES`` times)."""
+        for _ in range(FETCH_TRIES):
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._reconnect(s)
+                self.resent += 1
+                method, args, kwargs = call
+                ref = getattr(self.shards[s], method).remote(*args, **kwargs)
+        return ray.get(ref)
 
     def _refetch(self, refs: list[ray.ObjectRef], shards: Sequence[int] | None = None,
                  buffers: bool = False) -> list:
@@ -309,7 +343,7 @@ class PSClient:
         deadline = time.monotonic() + RECONNECT_S
         while time.monotonic() < deadline:
             try:  # the dead actor's name is freed, then taken by its restart, asynchronously
-                handle = ray.get_actor(self.names[s])
+                handle = self._resolve(s)
                 ray.get(handle.stats.remote())
             except (ValueError, ray.exceptions.RayActorError):
                 time.sleep(0.05)
@@ -320,3 +354,10 @@ class PSClient:
             return
         raise ShardUnavailable(f"shard {s} ({self.names[s]}) did not come back within "
                                f"{RECONNECT_S:.0f} s")
+
+    def _resolve(self, s: int) -> ray.actor.ActorHandle:
+        """Shard ``s``'s actor now: the one the directory names (a promoted standby), else
+        the one holding its name (a restart)."""
+        if self.directory is not None:
+            return ray.get(ray.get_actor(self.directory).get.remote(s))
+        return ray.get_actor(self.names[s])

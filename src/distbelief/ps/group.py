@@ -152,20 +152,27 @@ class ShardGroup(ShardSet):
         return self._read(run_dir, number, i), number
 
     def revive(self) -> list[int]:
-        event = self.label.replace(" ", "_")
         dead = self.probe()
         for i in dead:
-            self.restarts[i] += 1
-            self.job.log(f"{event}_failed", shard=i, restarts=self.restarts[i])
-            if self.restarts[i] > MAX_SHARD_RESTARTS:
-                raise RuntimeError(f"{self.label} {i} died more than {MAX_SHARD_RESTARTS} "
-                                   f"times; see the run's {event}_failed events")
-            restored, number = self.restore_point(i)
-            ray.kill(self._handles[i])
-            self._handles[i] = self._spawn(i, restored)
-            version = ray.get(self._handles[i].stats.remote())["version"]
-            self.job.log(f"{event}_restored", shard=i, checkpoint=number, version=version)
+            self.job.log(f"{self.event}_failed", shard=i, restarts=self.restarts[i] + 1)
+            self.revive_one(i)
         return dead
+
+    @property
+    def event(self) -> str:
+        return self.label.replace(" ", "_")
+
+    def revive_one(self, i: int) -> None:
+        """Restart dead shard ``i`` from its restore point (counted, up to the limit)."""
+        self.restarts[i] += 1
+        if self.restarts[i] > MAX_SHARD_RESTARTS:
+            raise RuntimeError(f"{self.label} {i} died more than {MAX_SHARD_RESTARTS} "
+                               f"times; see the run's {self.event}_failed events")
+        restored, number = self.restore_point(i)
+        ray.kill(self._handles[i])
+        self._handles[i] = self._spawn(i, restored)
+        version = ray.get(self._handles[i].stats.remote())["version"]
+        self.job.log(f"{self.event}_restored", shard=i, checkpoint=number, version=version)
 
     def stats(self) -> list[dict]:
         return ray.get([s.stats.remote() for s in self._handles])

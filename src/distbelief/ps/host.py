@@ -24,7 +24,9 @@ from distbelief.ps.plan import ShardPlan
 class FlatHost:
     """``model``'s trainable parameters in one buffer, sliced over ``shards`` by ``plan``.
 
-    ``names`` (the shards' actor names) let the client survive a shard's restart;
+    ``names`` (the shards' actor names) let the client survive a shard's restart, and with
+    ``resend`` and ``directory`` a failover to a standby (see :class:`PSClient`, which
+    also takes ``incarnation``);
     ``grad_dtype`` is the pushed gradients' wire format; with ``fuse`` a push whose next
     step fetches (of a gradient of any size) also brings the parameters back in the same
     call per shard. ``device`` (cpu, cuda, auto: see
@@ -39,7 +41,9 @@ class FlatHost:
 
     def __init__(self, model: nn.Module, plan: ShardPlan, shards: list, replica: int = -1,
                  names: Sequence[str] | None = None, grad_dtype: str = "float32",
-                 fuse: bool = True, device: str = "cpu", staged: bool | None = None) -> None:
+                 fuse: bool = True, device: str = "cpu", staged: bool | None = None,
+                 incarnation: int = 0, resend: bool = False,
+                 directory: str | None = None) -> None:
         self.device = replica_device(device)
         self.flat = FlatModel(model, plan, self.device)
         if staged is None:
@@ -49,7 +53,8 @@ class FlatHost:
         self.buffers = BufferReporter(buffers, self.flat.model) if buffers else None
         self._params_np = self.flat.flat_np if self.staging is None else self.staging.params_np
         self.client = PSClient(shards, plan, replica=replica, names=names,
-                               grad_dtype=grad_dtype)
+                               grad_dtype=grad_dtype, incarnation=incarnation, resend=resend,
+                               directory=directory)
         self.plan, self.fuse, self.replica = plan, fuse, replica
         self.accrued: torch.Tensor | None = None  # created once a step ends without a push
         self._fetched_early = False
@@ -147,7 +152,8 @@ class FlatHost:
         c = self.client
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
                 "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
-                "retried": c.retried, **self._device_field()}
+                "retried": c.retried, "incarnation": c.incarnation, "resent": c.resent,
+                **self._device_field()}
 
     def _device_field(self) -> dict:
         """``{"device": "cuda:0"}`` off CPU (nothing on CPU, so CPU counters are unchanged)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from distbelief.ps.codec import WIRE_DTYPES, all_finite, decode_into
+from distbelief.ps.ledger import PushId
 from distbelief.ps.optim import Rule
 from distbelief.ps.slice import ShardSlice
 from distbelief.ps.staleness import compensate
@@ -45,7 +46,7 @@ class PushFetch(ShardSlice):
         return self.version, values.copy()
 
     def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
-             buffers: tuple | None = None) -> bool:
+             buffers: tuple | None = None, pid: PushId | None = None) -> bool:
         """Apply ``grad`` unless it is malformed; returns whether it was applied.
         ``buffers``: the replica's buffer report (statistics, count deltas), folded into the
         buffers this shard holds along with an applied push.
@@ -53,8 +54,12 @@ class PushFetch(ShardSlice):
         ``grad`` is float32 or a 16-bit wire format of :mod:`distbelief.ps.codec`, widened
         to float32 here (parameters and rule state stay float32). A rejected push changes
         nothing but the rejection counter for its reason (``type``, ``dtype``, ``shape``,
-        ``nonfinite``).
+        ``nonfinite``). A push with an id ``pid`` (:mod:`distbelief.ps.ledger`) that this
+        shard has taken already is answered as before and not applied again.
         """
+        prior = self.ledger.taken(pid) if pid is not None else None
+        if prior is not None:
+            return prior
         reason = self.check_shape(grad, self.params.shape, PUSH_DTYPES)
         if reason is None and grad.dtype != np.float32:
             if self._wide is None:
@@ -63,6 +68,7 @@ class PushFetch(ShardSlice):
             reason = None if all_finite(grad) else "nonfinite"
         if reason is not None:
             self.rejected[reason] += 1
+            self.noted(pid, False)
             return False
         stale = self.version - int(fetched_version)
         self.staleness[stale] += 1
@@ -72,15 +78,16 @@ class PushFetch(ShardSlice):
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
         self.applied(buffers)
+        self.noted(pid, True)
         return True
 
     def push_fetch(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
-                   buffers: tuple | None = None) -> tuple:
+                   buffers: tuple | None = None, pid: PushId | None = None) -> tuple:
         """:meth:`push`, then :meth:`fetch`, in one call: whether ``grad`` was applied, and
         the version and slice after it (one round trip where a replica pushes at the end of
         a step and fetches at the start of the next); with ``buffers`` (a report) also the
         buffers after it."""
-        applied = self.push(grad, fetched_version, replica, buffers)
+        applied = self.push(grad, fetched_version, replica, buffers, pid)
         return (applied, *self.fetch(buffers is not None, replica))
 
     def _compensate(self, grad: np.ndarray, replica: int) -> np.ndarray:
@@ -95,7 +102,8 @@ class PushFetch(ShardSlice):
                           self._compensated)
 
     def push_part(self, grad: np.ndarray, lo: int, fetched_version: int,
-                  replica: int = -1, buffers: tuple | None = None) -> bool:
+                  replica: int = -1, buffers: tuple | None = None,
+                  pid: PushId | None = None) -> bool:
         """:meth:`push` of ``grad[lo : lo + size]`` (a 1-D array covering several shards).
 
         A client puts one gradient in the object store for all shards on a node and each
@@ -103,7 +111,7 @@ class PushFetch(ShardSlice):
         """
         if isinstance(grad, np.ndarray) and grad.ndim == 1:
             grad = grad[lo: lo + self.params.size]
-        return self.push(grad, fetched_version, replica, buffers)
+        return self.push(grad, fetched_version, replica, buffers, pid)
 
     def fetch_ranges(self, ranges: list[tuple[int, int]]) -> tuple[int, np.ndarray]:
         """Current version and the concatenated values of ``ranges`` (a copy)."""
@@ -112,7 +120,8 @@ class PushFetch(ShardSlice):
         return self.version, self.params[index]
 
     def push_ranges(self, ranges: list[tuple[int, int]], grad: np.ndarray,
-                    fetched_version: int, replica: int = -1) -> bool:
+                    fetched_version: int, replica: int = -1,
+                    pid: PushId | None = None) -> bool:
         """Apply ``grad`` (the concatenated gradient of ``ranges``) to those elements only.
 
         The update rule and its state see just the touched elements, so Adagrad or
@@ -122,11 +131,16 @@ class PushFetch(ShardSlice):
         rejected and counted, as for :meth:`push`; ranges outside the slice count as
         ``range``.
         """
+        prior = self.ledger.taken(pid) if pid is not None else None
+        if prior is not None:
+            return prior
         if not self.rule.rows_ok:
             self.rejected["rule"] += 1
+            self.noted(pid, False)
             return False
         index = self._checked_index(ranges, grad)
         if index is None:
+            self.noted(pid, False)
             return False
         self.staleness[self.version - int(fetched_version)] += 1
         param = self.params[index]
@@ -138,4 +152,5 @@ class PushFetch(ShardSlice):
         self.version += 1
         self.pushes_by_replica[int(replica)] += 1
         self.applied()
+        self.noted(pid, True)
         return True

@@ -9,6 +9,7 @@ its own update rule to its own slice, in the order pushes reach it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -16,6 +17,7 @@ import ray
 
 from distbelief.ps.average import AverageSpec
 from distbelief.ps.buffers import BufferAverage
+from distbelief.ps.ledger import PushId
 from distbelief.ps.optim import make_rule
 from distbelief.ps.pushfetch import PushFetch
 from distbelief.ps.staleness import StalenessControl
@@ -29,9 +31,77 @@ class ShardCore(PushFetch, VectorStore):
     each whole or by flat ranges, on the state of :class:`~distbelief.ps.slice.ShardSlice`."""
 
 
+class Replicated(ShardCore):
+    """A primary shard that copies every push to its hot standbys (``--shard-backups``).
+
+    A push (with its id) is applied here and forwarded to every live standby at once; it
+    is acknowledged once every live copy holds it. Standbys are shards like this one with
+    no standbys of their own; they apply the same pushes in the same order by the same
+    deterministic rule, so their state stays bit-equal to the primary's. A standby that
+    dies is dropped from the list (the driver starts a new one and attaches it with
+    :meth:`attach`).
+    """
+
+    standbys: list = []
+
+    def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
+             buffers: tuple | None = None, pid: PushId | None = None) -> bool:
+        refs = [s.push.remote(grad, fetched_version, replica, buffers, pid)
+                for s in self.standbys]
+        applied = super().push(grad, fetched_version, replica, buffers, pid)
+        self._settle(refs)
+        return applied
+
+    def push_ranges(self, ranges: list[tuple[int, int]], grad: np.ndarray,
+                    fetched_version: int, replica: int = -1,
+                    pid: PushId | None = None) -> bool:
+        refs = [s.push_ranges.remote(ranges, grad, fetched_version, replica, pid)
+                for s in self.standbys]
+        applied = super().push_ranges(ranges, grad, fetched_version, replica, pid)
+        self._settle(refs)
+        return applied
+
+    def _settle(self, refs: list) -> None:
+        """Wait for the standbys' copies; drop those that died."""
+        dead = set()
+        for standby, ref in zip(self.standbys, refs):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.add(id(standby))
+        if dead:
+            self.standbys = [s for s in self.standbys if id(s) not in dead]
+
+    def attach(self, standby: ray.actor.ActorHandle) -> int:
+        """Make ``standby`` a copy of this shard and forward it every push from now on (no
+        push runs in between: an actor runs one call at a time); the live standbys."""
+        ray.get(standby.load.remote(self.snapshot()))
+        self.standbys = [*self.live_standbys(), standby]
+        return len(self.standbys)
+
+    def live_standbys(self) -> list:
+        alive = []
+        for s in self.standbys:
+            try:
+                ray.get(s.pid.remote(), timeout=30)
+                alive.append(s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        return alive
+
+    def promote(self) -> None:
+        """This standby becomes its shard's primary (it has no standbys until attached)."""
+        self.standbys = []
+
+    def load(self, snapshot: dict) -> None:
+        """Take a primary's :meth:`snapshot` (slice, rule state, version, counters, ledger)."""
+        self.restore(snapshot["arrays"], snapshot["version"], snapshot["counters"])
+
+
 @ray.remote
-class ParameterShard(ShardCore):
-    """Ray actor holding one shard: every :class:`ShardCore` method is a remote method."""
+class ParameterShard(Replicated):
+    """Ray actor holding one shard: every :class:`ShardCore` method is a remote method, and
+    a primary copies pushes to its standbys (:class:`Replicated`)."""
 
     def __init__(self, shard_id: int, init: np.ndarray, optimizer: str, lr: float,
                  momentum: float = 0.9, restored: dict | None = None, *,
@@ -48,13 +118,18 @@ class ParameterShard(ShardCore):
         if isinstance(rule, TorchRule):
             one_torch_thread()
         super().__init__(shard_id, init, rule)
+        self.standbys = []
         self.keep_extras(buffers, average, control)
         if restored is not None:
             self.restore(restored["arrays"], restored["version"], restored.get("counters"))
 
     def stats(self) -> dict:
-        return super().stats() | {"node": self.node()}
+        return super().stats() | {"node": self.node(), "standbys": len(self.standbys)}
 
     def node(self) -> str:
         """The Ray node this shard runs on (clients send shards on one node one object)."""
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """This shard's process id (fault tests SIGKILL it)."""
+        return os.getpid()

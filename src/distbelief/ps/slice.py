@@ -19,6 +19,7 @@ from distbelief.checkpoint import save_arrays
 from distbelief.ps.average import AverageSpec, ParamAverage
 from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.codec import all_finite
+from distbelief.ps.ledger import PushId, PushLedger
 from distbelief.ps.optim import Rule
 from distbelief.ps.staleness import FetchedCopies, StalenessControl
 
@@ -47,6 +48,7 @@ class ShardSlice:
         self.buffer_reports = 0
         self.control = StalenessControl()  # --staleness-lr, --delay-compensation: off
         self.fetched: FetchedCopies | None = None  # each replica's last fetch (DC-ASGD)
+        self.ledger = PushLedger()  # pushes taken, by replica incarnation (ps/ledger.py)
 
     def keep_extras(self, buffers: BufferAverage | None, average: AverageSpec | None,
                     control: StalenessControl | None = None) -> None:
@@ -67,6 +69,11 @@ class ShardSlice:
         if report is not None and self.buffers is not None and self.buffers.check(report):
             self.buffers.report(*report)
             self.buffer_reports += 1
+
+    def noted(self, pid: PushId | None, applied: bool) -> None:
+        """Record push ``pid`` (if it has an id) in the ledger as applied or rejected."""
+        if pid is not None:
+            self.ledger.record(pid, applied)
 
     def check(self, grad: object) -> str | None:
         """Why ``grad`` may not be applied to the whole slice, or None if it may."""
@@ -116,13 +123,23 @@ class ShardSlice:
     def save(self, path: str, vectors: tuple[str, ...] = ()) -> int:
         """Write parameters, rule state, counters and version to ``path`` atomically; the
         version. ``vectors`` names Sandblaster vectors to include too (as ``vec:NAME``)."""
-        counters = {"fetches": self.fetches, "rejected": dict(self.rejected),
-                    "pushes_by_replica": {str(k): v for k, v in self.pushes_by_replica.items()},
-                    "staleness": {str(k): v for k, v in self.staleness.items()}}
         save_arrays(path, self._saved_arrays(vectors),
                     {"version": str(self.version), "shard": str(self.shard_id),
-                     "counters": json.dumps(counters)})
+                     "counters": json.dumps(self.counters())})
         return self.version
+
+    def counters(self) -> dict:
+        """The counters a checkpoint keeps (JSON-ready), the push ledger among them."""
+        return {"fetches": self.fetches, "rejected": dict(self.rejected),
+                "pushes_by_replica": {str(k): v for k, v in self.pushes_by_replica.items()},
+                "staleness": {str(k): v for k, v in self.staleness.items()},
+                "ledger": self.ledger.to_json(), "buffer_reports": self.buffer_reports}
+
+    def snapshot(self) -> dict:
+        """A copy of everything :meth:`save` writes, as :meth:`restore` takes it (``arrays``,
+        ``version``, ``counters``): a standby started from it is bit-equal to this shard."""
+        return {"arrays": {k: v.copy() for k, v in self._saved_arrays(()).items()},
+                "version": self.version, "counters": self.counters()}
 
     def _saved_arrays(self, vectors: tuple[str, ...]) -> dict[str, np.ndarray]:
         """What :meth:`save` writes: the slice and rule state (a protocol may add arrays)."""
@@ -150,6 +167,8 @@ class ShardSlice:
                                               counters.get("pushes_by_replica", {}).items()})
             self.staleness = Counter({int(k): v for k, v in
                                       counters.get("staleness", {}).items()})
+            self.ledger = PushLedger(counters.get("ledger"))
+            self.buffer_reports = int(counters.get("buffer_reports", 0))
 
     def stats(self) -> dict:
         """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
@@ -165,4 +184,5 @@ class ShardSlice:
             "pushes_by_replica": {str(k): v for k, v in sorted(self.pushes_by_replica.items())},
             "buffer_reports": self.buffer_reports,
             "fetched_copies_bytes": 0 if self.fetched is None else self.fetched.nbytes(),
+            "ledger": self.ledger.to_json(),
         }

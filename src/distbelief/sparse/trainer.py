@@ -104,7 +104,8 @@ class SparseDownpourSGD(DownpourSGD):
     def _as_arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
         return id_arrays(x, y, what, self.specs)
 
-    def _host(self, model: nn.Module, shards: RowShardGroup) -> HostFactory:
+    def _host(self, model: nn.Module, shards: RowShardGroup, incarnation: int = 0
+              ) -> HostFactory:
         return partial(RowSparseHost, model, self.plan, shards.handles(), shards.row_handles(),
                        self.specs)
 
