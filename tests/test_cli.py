@@ -65,6 +65,8 @@ BAD = [
      "--staleness-lr applies to --algorithm downpour only, not sandblaster"),
     (["--delay-compensation", "0.1", "--partitions", "2"],
      "--delay-compensation works on dense pushes only"),
+    (["--delay-compensation", "0.1", "--shard-backups", "1"],
+     "--shard-backups with --delay-compensation: standbys apply pushes without"),
 ]
 
 
