@@ -70,6 +70,8 @@ def running_run(run_dir: str | os.PathLike[str]) -> dict:
 def request_scale(run_dir: str | os.PathLike[str], replicas: int) -> dict:
     """Ask the run in ``run_dir`` for ``replicas`` replicas (checked against what it may
     use); the request written."""
+    if replicas < 1:
+        check_replicas(replicas, 1, 0, Resources(0, 1.0))  # before looking at the folder
     record = running_run(run_dir)
     res = Resources(int(record["memory"]), float(record["cpus"]), bool(record["cluster"]))
     check_replicas(replicas, int(record["partitions"]), int(record["shard_actors"]), res)
