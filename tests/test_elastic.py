@@ -76,7 +76,7 @@ def test_cli_scales_a_running_run_and_refuses_bad_requests_in_one_line(tmp_path)
     train = subprocess.Popen(
         [sys.executable, "-m", "distbelief.cli", "train", "--replicas", "2", "--shards", "1",
          "--steps", str(STEPS), "--n-fetch", "1", "--n-push", "1", "--eval-every", "0.2",
-         "--num-cpus", "6", "--slow-replica", "0:3", "--slow-replica", "1:3",  # time to ask
+         "--num-cpus", "6", *(f"--slow-replica={i}:3" for i in range(4)),  # time to ask
          "--run-dir", str(run_dir), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

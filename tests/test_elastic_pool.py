@@ -58,6 +58,10 @@ def test_a_failed_segment_runs_again_and_the_remaining_ranges_merge():
     restored = WorkPool(1, 30, {0: [[10, 30]]}, segment_steps=10)
     restored.assign([0])
     assert restored.next(0) == (0, 10, 20)
+    longer = WorkPool.resumed(1, 50, {"0": [[10, 20], [25, 30]]}, 30, segment_steps=10)
+    assert longer.remaining() == {"0": [[10, 20], [25, 50]]}
+    shorter = WorkPool.resumed(1, 22, {"0": [[10, 20], [25, 30]]}, 30, segment_steps=10)
+    assert shorter.remaining() == {"0": [[10, 20]]} and shorter.replica_steps() == {"0": 12}
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "remove", "step", "fail"]),

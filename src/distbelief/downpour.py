@@ -50,7 +50,7 @@ class DownpourSGD(Trainer):
                  config: TrainConfig | None = None, **overrides) -> None:
         super().__init__(model, loss_fn, config, **overrides)
         self.resumed_steps: dict[int, int] = {}  # steps each replica had done at the resume
-        self.resumed_work: dict | None = None  # each slot's unrun steps at the resume
+        self.resumed_work: tuple[dict, int] | None = None  # unrun ranges, steps a slot
         self._requests: ScaleRequests | None = None  # while fit runs
 
     def scale(self, replicas: int) -> None:
@@ -89,7 +89,8 @@ class DownpourSGD(Trainer):
                             f"{manifest.get('algorithm')} run with {len(steps)} replicas: "
                             "resume with the same --algorithm and --replicas")
         self.resumed_steps = steps
-        self.resumed_work = manifest.get("work")
+        self.resumed_work = ((manifest["work"], int(manifest["steps"]))
+                             if "work" in manifest and "steps" in manifest else None)
 
     def _train(self, x, y, test) -> TrainResult:
         blueprint = copy.deepcopy(self.model)  # replicas get pristine copies of this
@@ -122,11 +123,11 @@ class DownpourSGD(Trainer):
         job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where(),
                 versions=[s["version"] for s in first])
         job.progress(cfg.replicas * cfg.steps)
-        pool = (WorkPool(cfg.replicas, cfg.steps, {int(k): v for k, v in
-                                                   self.resumed_work.items()},
-                         SEGMENT_STEPS, cfg.warmstart_steps) if self.resumed_work
-                else WorkPool.from_done(cfg.replicas, cfg.steps, self.resumed_steps,
-                                        SEGMENT_STEPS, cfg.warmstart_steps))
+        pool = (WorkPool.resumed(cfg.replicas, cfg.steps, self.resumed_work[0],
+                                 self.resumed_work[1], SEGMENT_STEPS, cfg.warmstart_steps)
+                if self.resumed_work else
+                WorkPool.from_done(cfg.replicas, cfg.steps, self.resumed_steps, SEGMENT_STEPS,
+                                   cfg.warmstart_steps))
         pool.assign(replicas.actors)
         steps = {i: self.resumed_steps.get(i, 0) for i in replicas.actors}  # each one's own
         counters: dict[int, dict] = {}
@@ -176,7 +177,7 @@ class DownpourSGD(Trainer):
 
         def checkpoint() -> None:
             checkpoints.write({"algorithm": "downpour", "replica_steps": pool.replica_steps(),
-                               "work": pool.remaining()})
+                               "work": pool.remaining(), "steps": cfg.steps})
 
         try:
             while pending:

@@ -54,6 +54,17 @@ class WorkPool:
         return cls(slots, steps, {s: [(done.get(s, 0), steps)] for s in range(slots)},
                    segment_steps, warmstart_steps)
 
+    @classmethod
+    def resumed(cls, slots: int, steps: int, work: Mapping[str, Sequence[Sequence[int]]],
+                saved_steps: int, segment_steps: int, warmstart_steps: int = 0) -> WorkPool:
+        """The pool of a run resumed from a checkpoint whose ``work`` (:meth:`remaining`) was
+        of ``saved_steps`` steps a slot, now run to ``steps``: ranges past the old end are
+        added, ranges past the new end cut."""
+        more = [(saved_steps, steps)] if steps > saved_steps else []
+        return cls(slots, steps, {int(k): [(a, min(b, steps)) for a, b in v if a < steps]
+                                  + more for k, v in work.items()},
+                   segment_steps, warmstart_steps)
+
     def assign(self, workers: Iterable[int]) -> None:
         """Workers at the run's start: worker w takes the free ranges of slot w."""
         for w in workers:
