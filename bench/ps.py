@@ -1,7 +1,7 @@
 """Push+apply and fetch throughput of the shards vs the same Adagrad update in-process.
 
 Run: .venv/bin/python bench/ps.py [--sizes-mb 4 64] [--shards 1 2] [--repeat 10] [--rounds 3]
-     [--variants f32x1 f32x4 bf16x4 f16x4] [--pushers 2] [--sizes-mb 256 ...]
+     [--variants f32x1 f32x4 bf16x4 f16x4] [--pushers 2] [--sizes-mb 256 ...] [--backups 0 1]
 Per gradient size and shard count, every variant runs ``--rounds`` rounds; each round
 times ``--repeat`` Adagrad updates of the whole gradient in this process (the baseline:
 the limit for a server-side apply) right before ``--repeat`` pushes of it through the
@@ -16,6 +16,12 @@ The ``floor`` variants (``null-f32x1``, ``null-f32x4``) push the same way to act
 answer at once and never read the gradient: Ray's own cost of a push (the ``ray.put``, one
 call per shard, the replies) with a free apply. Their ratio bounds what any shard-side
 change can reach with Ray's calls on this machine.
+
+``--backups 0 1`` measures instead what hot standbys (``--shard-backups``) cost a push: per
+gradient size and shard count, one shard group per backup count (each primary with that
+many standbys attached), pushed to by one client (f32, 1 in flight, push ids as replicas
+send them) in turn, round after round, so machine noise hits every count alike; it prints
+the milliseconds a push takes (median over rounds) and its ratio to the first count's.
 """
 
 from __future__ import annotations
@@ -112,6 +118,46 @@ def fetch_rate(client: PSClient, flat: np.ndarray, repeat: int) -> float:
     return repeat * flat.nbytes / (time.perf_counter() - began) / 2**20
 
 
+def backup_costs(args) -> None:
+    """``--backups``: milliseconds per push with each backup count, counts alternated."""
+    print(f"rounds={args.rounds} repeat={args.repeat}; ms per push (f32, 1 in flight), "
+          f"median [min-max] over rounds; ratio to --backups {args.backups[0]} per round")
+    print(f"{'MB':>5} {'shards':>6} {'backups':>7} {'ms/push':>8} {'range':>15} "
+          f"{'ratio':>6} {'range':>11}")
+    for mb in args.sizes_mb:
+        n = int(mb * 2**20 / 4)
+        grad = np.ones(n, np.float32)
+        for shards in args.shards:
+            plan = ShardPlan.build([("w", (n,))], shards)
+            groups, clients = [], []
+            for b in args.backups:
+                handles = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
+                                                 "adagrad", 0.01) for i in range(shards)]
+                standbys = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
+                                                  "adagrad", 0.01)
+                            for i in range(shards) for _ in range(b)]
+                ray.get([h.attach.remote(s) for k, h in enumerate(handles)
+                         for s in standbys[k * b:(k + 1) * b]])
+                groups.append(handles + standbys)
+                clients.append(PSClient(handles, plan, replica=0, incarnation=1))
+            for c in clients:
+                push_rate([c], grad, 2)  # warm up: pages touched
+            ms: list[list[float]] = [[] for _ in args.backups]
+            for _ in range(args.rounds):
+                for k, c in enumerate(clients):
+                    mb_s = push_rate([c], grad, args.repeat)
+                    ms[k].append(1000 * grad.nbytes / 2**20 / mb_s)
+            for k, b in enumerate(args.backups):
+                ratios = sorted(x / y for x, y in zip(ms[k], ms[0]))
+                t = sorted(ms[k])
+                print(f"{mb:>5g} {shards:>6} {b:>7} {statistics.median(t):>8.2f} "
+                      f"{f'[{t[0]:.2f}-{t[-1]:.2f}]':>15} {statistics.median(ratios):>6.2f} "
+                      f"{f'[{ratios[0]:.2f}-{ratios[-1]:.2f}]':>11}", flush=True)
+            for g in groups:
+                for h in g:
+                    ray.kill(h)
+
+
 def main() -> None:
     parser = make_parser(__doc__)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 64])
@@ -122,7 +168,15 @@ def main() -> None:
                         default=["f32x1", "f32x4", "bf16x4", "null-f32x1", "null-f32x4"])
     parser.add_argument("--pushers", type=int, nargs="*", default=[2],
                         help="also run P concurrent client actors (f32, 2 in flight each)")
+    parser.add_argument("--backups", type=int, nargs="*", default=[],
+                        help="instead: ms per push with each count of standbys per shard")
     args = parser.parse_args()
+    if args.backups:
+        with ray_session(max(args.shards) * (len(args.backups) + sum(args.backups)) + 1,
+                         object_store_memory=int(max(2 * 2**30,
+                                                     12 * max(args.sizes_mb) * 2**20))):
+            backup_costs(args)
+        return
     with ray_session(max(args.shards) + 1,
                      object_store_memory=int(max(2 * 2**30, 12 * max(args.sizes_mb) * 2**20))):
         print(f"rounds={args.rounds} repeat={args.repeat}; ratio = push MB/s / in-process MB/s, "

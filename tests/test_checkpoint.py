@@ -95,6 +95,12 @@ def test_resume_continues_the_same_run(finished_run, tmp_path, capsys):
     assert sorted({e["step"] for e in steps}) == list(range(30, 50))  # replicas resumed at 30
     final = [e for e in second if e["event"] == "checkpoint"][-1]
     assert final["versions"] == [100, 100]
+    # the resumed replicas are new incarnations (the shards' ledgers came back with the
+    # checkpoint), so their pushes are neither duplicates nor lost: accounting is exact
+    [accounting] = [e for e in second if e["event"] == "push_accounting"]
+    assert accounting["exact"]
+    assert all(a["sent"] == a["applied"] == 40 and a["duplicates"] == a["lost_with_shard"] == 0
+               for a in accounting["shards"])
 
 
 @pytest.mark.parametrize("damage,message", [

@@ -102,7 +102,8 @@ def test_n_fetch_and_n_push_semantics(digits):
         # the 2 steps accrued after the last full push are flushed at the end
         assert result.replica_counters[r] == {"fetches": 4, "pushes": 3, "rejected": 0,
                                               "push_dropped": 0, "dropped_by_shard": [0, 0],
-                                              "retried": 0}
+                                              "retried": 0, "incarnation": r + 1,
+                                              "resent": 0}
     assert [s["updates"] for s in result.shard_stats] == [6, 6]
     assert result.updates == 6
 

@@ -41,7 +41,8 @@ class PSClient:
     dropped and counted (``dropped``, ``dropped_by_shard``). Without names a dead shard's
     error propagates.
 
-    Every push carries an id ``(replica, incarnation, seq)`` (:mod:`distbelief.ps.ledger`).
+    With an ``incarnation`` (> 0, one client per replica incarnation) every push carries an
+    id ``(replica, incarnation, seq)`` (:mod:`distbelief.ps.ledger`).
     With ``resend`` (shards with hot standbys) a push a dead shard never acknowledged is
     kept and sent again, with its id, to the standby the driver promoted, found through
     the run's ``directory`` actor (its name); the shard's ledger takes it at most once.
@@ -273,10 +274,12 @@ class PSClient:
             self.rejected += accepted.count(False)
 
     def _next_id(self) -> dict:
-        """A new push: counted as sent; its id as the keyword the shards take."""
+        """A new push: counted as sent; its id as the keyword the shards take (none for a
+        client without an incarnation: several such clients, a replica's partitions, may
+        push for one replica)."""
         self.seq += 1
         self.pushes += 1
-        return {"pid": (self.replica, self.incarnation, self.seq)}
+        return {"pid": (self.replica, self.incarnation, self.seq)} if self.incarnation else {}
 
     def _call(self, s: int, method: str, args: tuple, kwargs: dict) -> Call:
         """Send ``method(*args, **kwargs)`` to shard ``s``; what :meth:`_resent` needs to

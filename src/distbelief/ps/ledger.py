@@ -5,7 +5,8 @@ starts a replica (a restart or a resumed run gets one no earlier incarnation use
 ``seq`` counts that incarnation's pushes from 1. One client's pushes reach a shard in the
 order it sent them, so a shard keeps, per ``(replica, incarnation)``, only the highest
 ``seq`` it has taken: a push at or below it is a resend of one already taken (after a
-failover) and is acknowledged with the outcome it had, not applied again. A push above
+failover) and is acknowledged, not applied again (with the outcome it had if it is the
+highest, which is what a client resends; an older one answers "applied"). A push above
 ``high + 1`` means the ones between never reached this shard's state (dropped by their
 client, or taken by a shard copy that was lost): they are counted as ``gaps``.
 

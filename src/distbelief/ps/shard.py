@@ -37,7 +37,8 @@ class Replicated(ShardCore):
     is acknowledged once every live copy holds it. Standbys are shards like this one with
     no standbys of their own; they apply the same pushes in the same order by the same
     deterministic rule, so their state stays bit-equal to the primary's. A standby that
-    dies is dropped from the list (the driver starts a new one and :meth:`attach` es it).
+    dies is dropped from the list (the driver starts a new one and attaches it with
+    :meth:`attach`).
     """
 
     standbys: list = []
