@@ -14,6 +14,7 @@ from distbelief import DownpourSGD, data, models
 from distbelief.checkpoint import read_manifest
 
 STEPS = 400  # per replica at the start; 2 x 400 steps end near digits' plateau
+CLI_STEPS = 1500  # long enough for two `distbelief scale` processes to start on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def stepped(replicas):
     return lambda e: e["event"] == "step" and e["replica"] in replicas
 
 
-def assert_scaled_and_exact(events, slots=2):
+def assert_scaled_and_exact(events, steps_each=STEPS, slots=2):
     scales = [(e["from"], e["to"]) for e in events if e["event"] == "scale"]
     assert scales == [(2, 4), (4, 1)]
     [grown, shrunk] = [e for e in events if e["event"] == "scale"]
@@ -50,19 +51,19 @@ def assert_scaled_and_exact(events, slots=2):
     assert sorted(e["replica"] for e in events if e["event"] == "replica_stopped") == [1, 2, 3]
     steps = [e for e in events if e["event"] == "step"]
     assert {e["replica"] for e in steps} == {0, 1, 2, 3}
-    assert len(steps) == slots * STEPS  # the fixed work: no step more, none less
+    assert len(steps) == slots * steps_each  # the fixed work: no step more, none less
     [accounting] = [e for e in events if e["event"] == "push_accounting"]
     assert accounting["exact"]
     for a in accounting["shards"]:
-        assert a["sent"] == a["applied"] == slots * STEPS  # n_push 1: a push a step
+        assert a["sent"] == a["applied"] == slots * steps_each  # n_push 1: a push a step
         assert a["lost_with_shard"] == a["dropped"] == a["rejected"] == 0
 
 
-def assert_same_samples(run_dir):
+def assert_same_samples(run_dir, steps=STEPS):
     """The final checkpoint: every slot ran all its steps (its batches, once each)."""
     manifest = read_manifest(run_dir, max(int(p.stem.split("-")[1]) for p in
                                           (run_dir / "checkpoints").glob("checkpoint-*.json")))
-    assert manifest["replica_steps"] == {"0": STEPS, "1": STEPS}
+    assert manifest["replica_steps"] == {"0": steps, "1": steps}
     assert manifest["work"] == {"0": [], "1": []}
 
 
@@ -75,8 +76,8 @@ def test_cli_scales_a_running_run_and_refuses_bad_requests_in_one_line(tmp_path)
     run_dir = tmp_path / "run"
     train = subprocess.Popen(
         [sys.executable, "-m", "distbelief.cli", "train", "--replicas", "2", "--shards", "1",
-         "--steps", str(STEPS), "--n-fetch", "1", "--n-push", "1", "--eval-every", "0.2",
-         "--num-cpus", "6", *(f"--slow-replica={i}:3" for i in range(4)),  # time to ask
+         "--steps", str(CLI_STEPS), "--n-fetch", "1", "--n-push", "1", "--eval-every", "0.2",
+         "--num-cpus", "6", "--slow-replica", "0:3", "--slow-replica", "1:3",  # time to ask
          "--run-dir", str(run_dir), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -84,7 +85,7 @@ def test_cli_scales_a_running_run_and_refuses_bad_requests_in_one_line(tmp_path)
         wait_for(lambda: events_in(run_dir), stepped({0, 1}), alive)
         proc = cli("scale", str(run_dir), "--replicas", "4")
         assert proc.returncode == 0, proc.stderr
-        wait_for(lambda: events_in(run_dir), stepped({2, 3}), alive)
+        wait_for(lambda: events_in(run_dir), lambda e: e["event"] == "scale", alive)
         assert cli("scale", str(run_dir), "--replicas", "1").returncode == 0
         proc = cli("scale", str(run_dir), "--replicas", "0")
         assert proc.returncode == 2 and "at least one replica" in proc.stderr
@@ -95,8 +96,8 @@ def test_cli_scales_a_running_run_and_refuses_bad_requests_in_one_line(tmp_path)
             train.kill()
     assert train.returncode == 0, err[-3000:]
     assert "final test_accuracy=" in out
-    assert_scaled_and_exact(events_in(run_dir))
-    assert_same_samples(run_dir)
+    assert_scaled_and_exact(events_in(run_dir), CLI_STEPS)
+    assert_same_samples(run_dir, CLI_STEPS)
     proc = cli("scale", str(run_dir), "--replicas", "2")  # the run is over
     assert proc.returncode == 2 and "not a running run" in proc.stderr
     proc = cli("scale", str(tmp_path / "nowhere"), "--replicas", "2")
