@@ -12,7 +12,7 @@ from distbelief.ps.group import ShardSet, rejection_error
 from distbelief.ps.optim import Adagrad
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ShardCore
-from distbelief.segments import SegmentSchedule
+from distbelief.segments import WorkPool
 from distbelief.sparse.group import row_rejection_error
 
 
@@ -93,26 +93,29 @@ def test_cadence_is_due_now_or_after_its_period():
     assert Cadence(0.0).due()
 
 
-def test_segment_schedule_warm_starts_replica_zero_alone_then_runs_every_replica():
-    s = SegmentSchedule(steps=25, warmstart_steps=12, segment_steps=10,
-                        done={0: 0, 1: 0, 2: 0})
-    assert s.warm and s.first([0, 1, 2]) == [0]
-    assert s.segment(0) == 10
-    assert s.returned(0, 10, [0, 1, 2]) == ([0], False)
-    assert s.segment(0) == 2 and s.segment(1) == 10
-    assert s.returned(0, 12, [0, 1, 2]) == ([0, 1, 2], True)
-    assert not s.warm and s.segment(0) == 10 and s.segment(1) == 10
-    assert s.returned(1, 20, [0, 1]) == ([1], False)
-    assert s.segment(1) == 5
-    assert s.returned(1, 25, [0, 1]) == ([1], False)
-    assert s.segment(1) == 0
-    assert s.replica_steps() == {"0": 12, "1": 25, "2": 0}
+def test_work_pool_warm_starts_replica_zero_alone_then_runs_every_replica():
+    p = WorkPool.from_done(3, 25, {}, segment_steps=10, warmstart_steps=12)
+    p.assign([0, 1, 2])
+    assert p.warm and p.next(1) is None and p.next(2) is None
+    assert p.next(0) == (0, 0, 10)
+    p.done(0)
+    assert p.next(0) == (0, 10, 12) and p.next(1) is None
+    p.done(0)
+    assert not p.warm
+    assert [p.next(i) for i in (0, 1, 2)] == [(0, 12, 22), (1, 0, 10), (2, 0, 10)]
+    p.done(1)
+    assert p.next(1) == (1, 10, 20)
+    p.done(1)
+    assert p.next(1) == (1, 20, 25)
+    p.done(1)
+    assert p.replica_steps() == {"0": 12, "1": 25, "2": 0}  # running segments are unrun
 
 
-def test_segment_schedule_of_a_resumed_run_skips_a_finished_warm_start():
-    s = SegmentSchedule(steps=30, warmstart_steps=10, segment_steps=10, done={0: 14, 1: 30})
-    assert not s.warm and s.first([0, 1]) == [0, 1]
-    assert s.segment(0) == 10 and s.segment(1) == 0
+def test_work_pool_of_a_resumed_run_skips_a_finished_warm_start():
+    p = WorkPool.from_done(2, 30, {0: 14, 1: 30}, segment_steps=10, warmstart_steps=10)
+    p.assign([0, 1])
+    assert not p.warm
+    assert p.next(0) == (0, 14, 24) and p.next(1) is None
 
 
 def test_rejection_errors_name_the_flag_and_the_fix():

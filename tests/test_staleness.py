@@ -10,7 +10,7 @@ from distbelief import DownpourSGD, data, models
 from distbelief.ps.optim import SGD, Adagrad
 from distbelief.ps.shard import ShardCore
 from distbelief.ps.staleness import StalenessControl, compensate, lr_scale
-from distbelief.segments import SegmentSchedule
+from distbelief.segments import WorkPool
 
 
 def test_lr_scale_is_one_over_staleness_at_least_one():
@@ -80,29 +80,29 @@ def test_delay_compensation_uses_the_replicas_last_fetch_and_states_its_memory()
 
 
 def check_ssp(order, replicas, steps, k, segment):
-    """Drive a SegmentSchedule with max_staleness k, returning replicas in the order ``order``
-    picks; every segment handed out respects the bound and every replica finishes."""
-    schedule = SegmentSchedule(steps, 0, segment, dict.fromkeys(range(replicas), 0), k)
-    running: dict[int, int] = {}
+    """Drive a WorkPool with max_staleness k, returning replicas in the order ``order``
+    picks and feeding every idle one after each return (as the driver does); every segment
+    handed out respects the bound and every step runs once."""
+    pool = WorkPool.from_done(replicas, steps, {}, segment, max_staleness=k)
+    pool.assign(range(replicas))
+    running: dict[int, tuple] = {}
 
-    def hand(i):
-        if i in running:
-            return
-        n = schedule.segment(i)
-        if n:
-            last = schedule.done[i] + n - 1  # the segment's last step
-            assert last - k <= min(schedule.done.values())
-            running[i] = n
-    for i in schedule.first(range(replicas)):
-        hand(i)
+    def feed():
+        for i in range(replicas):
+            if i not in running:
+                seg = pool.next(i)
+                if seg is not None:
+                    last = pool.ran[i] + seg[2] - seg[1] - 1  # the segment's last step
+                    assert last - k <= min(pool.ran.values())
+                    running[i] = seg
+    feed()
     picks = iter(order)
     while running:
         i = sorted(running)[next(picks, 0) % len(running)]
-        n = running.pop(i)
-        nxt, _ = schedule.returned(i, schedule.done[i] + n, range(replicas))
-        for j in nxt:
-            hand(j)
-    assert all(v == steps for v in schedule.done.values())
+        running.pop(i)
+        pool.done(i)
+        feed()
+    assert pool.left() == 0 and all(v == steps for v in pool.ran.values())
 
 
 @settings(max_examples=60, deadline=None)
@@ -113,17 +113,26 @@ def test_ssp_schedule_never_lets_a_replica_run_more_than_k_ahead(order, replicas
     check_ssp(order, replicas, steps, k, segment)
 
 
-def test_a_dropped_replica_no_longer_holds_the_others_back():
-    schedule = SegmentSchedule(30, 0, 10, {0: 3, 1: 10, 2: 10}, max_staleness=0)
-    assert schedule.segment(1) == 0  # waits for replica 0
-    schedule.drop(0)
-    assert schedule.segment(1) == 1  # lockstep with replica 2 only
+def test_a_removed_worker_no_longer_holds_the_others_back():
+    pool = WorkPool.from_done(3, 30, {0: 3, 1: 10, 2: 10}, 10, max_staleness=0)
+    pool.assign(range(3))
+    assert pool.next(1) is None  # waits for replica 0
+    pool.remove(0)
+    assert pool.next(1) == (1, 10, 11)  # lockstep with replica 2 only
+
+
+def test_an_added_worker_starts_level_with_the_slowest():
+    pool = WorkPool.from_done(2, 30, {0: 4, 1: 9}, 10, max_staleness=1)
+    pool.assign(range(2))
+    pool.balance = True
+    seg = pool.next(2)  # a scale-up's new worker: may run up to the slowest + K + 1
+    assert pool.ran[2] == 4 and seg is not None and seg[2] - seg[1] == 2
 
 
 def test_unbounded_schedule_is_unchanged():
-    schedule = SegmentSchedule(30, 0, 10, {0: 0, 1: 25})
-    assert schedule.segment(0) == 10 and schedule.segment(1) == 5
-    assert schedule.returned(0, 10, [0, 1]) == ([0], False)
+    pool = WorkPool.from_done(2, 30, {0: 0, 1: 25}, 10)
+    pool.assign(range(2))
+    assert pool.next(0) == (0, 0, 10) and pool.next(1) == (1, 25, 30)
 
 
 def ahead_violations(events, k):

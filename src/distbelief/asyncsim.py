@@ -9,7 +9,7 @@ on what it fetched, and pushes it one step time later; step times are ``1 +- jit
 (seeded), so with equal speeds the other ``R - 1`` replicas push in between and a push is
 about ``R - 1`` updates stale, as on a real cluster. ``max_staleness`` K holds a replica
 that finished step s until every replica has done ``s + 1 - K`` steps (SSP), as the driver's
-:class:`~distbelief.segments.SegmentSchedule` does. Time is counted in step times.
+:class:`~distbelief.segments.WorkPool` does. Time is counted in step times.
 """
 
 from __future__ import annotations

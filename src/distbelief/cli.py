@@ -1,4 +1,4 @@
-"""``distbelief train | plot``: the command line over the Python API.
+"""``distbelief train | plot | scale``: the command line over the Python API.
 
 ``train``'s flags are generated from :class:`~distbelief.config.TrainConfig`'s fields, one
 argument group per config section; ``--config FILE.toml`` sets fields by section and the
@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(t)
     p = sub.add_parser("plot", help="(re)draw a run folder's plot.png")
     p.add_argument("run_dir")
+    s = sub.add_parser("scale", help="set the replica count of a running Downpour run",
+                       description="Ask the Downpour run training into RUN_DIR for N replicas; "
+                       "its driver applies it within --eval-every seconds, keeping the run's "
+                       "total steps (see README, Elastic replicas).")
+    s.add_argument("run_dir", metavar="RUN_DIR")
+    s.add_argument("--replicas", type=int, required=True, metavar="N")
     return parser
 
 
@@ -145,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return train(args)
+        if args.command == "scale":
+            from distbelief.elastic import request_scale
+
+            request_scale(args.run_dir, args.replicas)
+            print(f"asked the run in {args.run_dir} for {args.replicas} replicas (applied "
+                  "at its next probe; see the scale event in its metrics.jsonl)")
+            return 0
         from distbelief.metrics import plot_run
 
         print(plot_run(args.run_dir))

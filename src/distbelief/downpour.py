@@ -20,13 +20,15 @@ from torch import nn
 from distbelief.checkpointer import Checkpointer
 from distbelief.config import TrainConfig
 from distbelief.devices import gpu_options
+from distbelief.elastic import ScaleRequests
 from distbelief.errors import UserError
 from distbelief.evaluation import Evaluations
 from distbelief.job import Cadence
+from distbelief.limits import Resources
 from distbelief.ps.group import ShardSet
 from distbelief.ps.ledger import account, key_of, next_incarnation
 from distbelief.replica import DATA_COUNTERS, DownpourReplica
-from distbelief.segments import Replicas, SegmentSchedule, Start
+from distbelief.segments import Replicas, Start, WorkPool
 from distbelief.trainer import Evaluator, Trainer, TrainResult
 
 SEGMENT_STEPS = 10  # steps a replica runs per driver call; small keeps the driver responsive
@@ -48,6 +50,19 @@ class DownpourSGD(Trainer):
                  config: TrainConfig | None = None, **overrides) -> None:
         super().__init__(model, loss_fn, config, **overrides)
         self.resumed_steps: dict[int, int] = {}  # steps each replica had done at the resume
+        self.resumed_work: tuple[dict, int] | None = None  # unrun ranges, steps a slot
+        self._requests: ScaleRequests | None = None  # while fit runs
+
+    def scale(self, replicas: int) -> None:
+        """Ask the running :meth:`fit` (in another thread) for ``replicas`` replicas; it
+        starts or stops replicas at its next probe (``eval_every_s``), keeping the run's
+        total steps. :class:`UserError` when no fit runs, or ``replicas`` is below 1 or
+        beyond what the machine or cluster can run."""
+        requests = self._requests
+        if requests is None:
+            raise UserError("no run in progress: call scale(replicas=N) while fit() runs "
+                            "(in another thread)")
+        requests.ask(replicas)
 
     def replica_starter(self, shards: ShardSet, blueprint: nn.Module, x_ref: ray.ObjectRef,
                         y_ref: ray.ObjectRef | None) -> Start:
@@ -74,6 +89,8 @@ class DownpourSGD(Trainer):
                             f"{manifest.get('algorithm')} run with {len(steps)} replicas: "
                             "resume with the same --algorithm and --replicas")
         self.resumed_steps = steps
+        self.resumed_work = ((manifest["work"], int(manifest["steps"]))
+                             if "work" in manifest and "steps" in manifest else None)
 
     def _train(self, x, y, test) -> TrainResult:
         blueprint = copy.deepcopy(self.model)  # replicas get pristine copies of this
@@ -84,16 +101,23 @@ class DownpourSGD(Trainer):
         steps = {i: self.resumed_steps.get(i, 0) for i in range(self.cfg.replicas)}
         incarnation = next_incarnation(shards.retry(shards.stats))  # new after a resume
         replicas = Replicas(self.job, start, steps, MAX_RESTARTS, incarnation)
+        res = (Resources.from_ray(ray.cluster_resources()) if self.cfg.address is not None
+               else Resources.local())
+        self._requests = ScaleRequests(self.job.run_dir, self.cfg.partitions,
+                                       self.cfg.shards * (1 + self.cfg.shard_backups), res)
         try:
             return self._drive(shards, replicas, evaluator)
         finally:
+            self._requests.close()
+            self._requests = None
             replicas.kill()
             shards.kill()
 
     def _drive(self, shards: ShardSet, replicas: Replicas, evaluator: Evaluator
                ) -> TrainResult:
-        """The driver loop: resubmit each replica's next segment the moment it returns;
-        evaluate, check rejections and checkpoint on their cadences."""
+        """The driver loop: hand each idle replica its next segment of the run's work the
+        moment it returns; evaluate, check rejections, apply scale requests and checkpoint
+        on their cadences."""
         cfg, job = self.cfg, self.job
         evals = Evaluations(job, shards, evaluator, cfg)
         evals.ready()  # the evaluator's process is up before training starts (as replicas)
@@ -101,32 +125,61 @@ class DownpourSGD(Trainer):
         job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where(),
                 versions=[s["version"] for s in first])
         job.progress(cfg.replicas * cfg.steps)
-        schedule = SegmentSchedule(cfg.steps, cfg.warmstart_steps, SEGMENT_STEPS,
-                                   {i: self.resumed_steps.get(i, 0) for i in replicas.actors},
-                                   cfg.max_staleness)
+        pool = (WorkPool.resumed(cfg.replicas, cfg.steps, self.resumed_work[0],
+                                 self.resumed_work[1], SEGMENT_STEPS, cfg.warmstart_steps,
+                                 cfg.max_staleness)
+                if self.resumed_work else
+                WorkPool.from_done(cfg.replicas, cfg.steps, self.resumed_steps, SEGMENT_STEPS,
+                                   cfg.warmstart_steps, cfg.max_staleness))
+        pool.assign(replicas.actors)
+        steps = {i: self.resumed_steps.get(i, 0) for i in replicas.actors}  # each one's own
         counters: dict[int, dict] = {}
+        retired: dict[int, dict] = {}  # final counters of replicas stopped by a scale-down
+        stopping: set[int] = set()  # replicas to stop when their segment returns
         pending: dict[ray.ObjectRef, int] = {}
         data_read: dict[int, dict] = {}  # each replica's DATA_COUNTERS, from its last reply
+        warm = pool.warm
 
-        def submit(i: int) -> None:
-            if i in pending.values():  # SSP hands idle replicas a segment when one returns
-                return
-            n = schedule.segment(i)
-            if n:
-                pending[replicas.actors[i].run.remote(n)] = i
+        def feed() -> None:  # a segment for every idle replica that has work
+            for i in sorted(set(replicas.actors) - set(pending.values()) - stopping):
+                seg = pool.next(i)
+                if seg is not None:
+                    slot, at, end = seg
+                    pending[replicas.actors[i].run.remote(end - at, slot, at)] = i
+
+        def retire(i: int) -> None:
+            stopping.discard(i)
+            pool.remove(i)
+            retired[i] = counters[i] = replicas.retire(i)
+            job.log("replica_stopped", replica=i, step=steps[i], pushes=retired[i]["pushes"])
+
+        def rescale(target: int, reason: str) -> None:
+            live = sorted(set(replicas.actors) - stopping)
+            pool.balance = True
+            for _ in range(len(live), target):
+                i = max(set(replicas.actors) | set(steps) | set(retired)) + 1
+                replicas.add(i)
+                steps[i] = 0
+            for i in live[target:]:
+                if i in pending.values():
+                    stopping.add(i)
+                else:
+                    retire(i)
+            job.log("scale", reason=reason, replicas=sorted(set(replicas.actors) - stopping),
+                    **{"from": len(live), "to": target})
+            feed()
 
         def evaluate(averaged: bool | None = None) -> dict:  # also revives a dead shard
             return shards.retry(lambda: evaluator.evaluate(job, shards, averaged))
 
-        for i in schedule.first(replicas.actors):
-            submit(i)
-        probe = Cadence(cfg.eval_every_s, due_now=True)  # rejections and dead shards
+        feed()
+        probe = Cadence(cfg.eval_every_s, due_now=True)  # rejections, dead shards, scaling
         checkpoints = Checkpointer(job, shards, self.plan, self._state_names(),
                                    cfg.checkpoint_every_s or float("inf"))
 
         def checkpoint() -> None:
-            checkpoints.write({"algorithm": "downpour",
-                               "replica_steps": schedule.replica_steps()})
+            checkpoints.write({"algorithm": "downpour", "replica_steps": pool.replica_steps(),
+                               "work": pool.remaining(), "steps": cfg.steps})
 
         try:
             while pending:
@@ -135,6 +188,9 @@ class DownpourSGD(Trainer):
                 evals.submit_if_due()
                 if probe.due():
                     shards.retry(lambda: shards.check_rejections(cfg.max_rejected))
+                    asked = self._requests.take()
+                    if asked is not None:
+                        rescale(*asked)
                     probe.restart()
                 wake = min(probe.at, checkpoints.cadence.at, evals.wake())
                 ready, _ = ray.wait(list(pending) + evals.refs(), num_returns=1,
@@ -146,34 +202,39 @@ class DownpourSGD(Trainer):
                     try:
                         reply = ray.get(ref)
                     except ray.exceptions.RayActorError as err:
-                        if replicas.failed(i, schedule.done[i], err, shards):
-                            submit(i)
-                        else:
-                            schedule.drop(i)
-                            for j in replicas.actors:
-                                submit(j)
+                        pool.failed(i)
+                        if i in stopping:  # it was leaving anyway
+                            stopping.discard(i)
+                            pool.remove(i)
+                            replicas.actors.pop(i)
+                        elif not replicas.failed(i, steps[i], err, shards):
+                            pool.remove(i)  # dropped: the others run its steps
+                        feed()
                         continue
+                    pool.done(i)
                     for e in reply["events"]:
                         job.log("step", **e)
                     data_read[i] = {k: reply.pop(k) for k in DATA_COUNTERS if k in reply}
                     counters[i] = {k: v for k, v in reply.items() if k not in ("events", "step")}
-                    nxt, warm_ended = schedule.returned(i, reply["step"], replicas.actors)
+                    steps[i] = reply["step"]
                     job.tick(len(reply["events"]), reply["events"][-1]["loss"])
-                    if warm_ended:
-                        job.log("warmstart_done", step=schedule.done[0])
-                    for j in nxt:
-                        submit(j)
+                    if warm and not pool.warm:
+                        warm = False
+                        job.log("warmstart_done", step=steps[i])
+                    if i in stopping:
+                        retire(i)
+                    feed()
         except KeyboardInterrupt:
             evals.stop()
             replicas.kill()  # stop pushing, so the checkpoint is what the shards hold now
             checkpoint()
-            job.log("interrupted", replica_steps=dict(schedule.done))
+            job.log("interrupted", replica_steps=pool.replica_steps())
             raise
-        if not replicas.actors:
+        if pool.left():
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
         evals.stop(collect=True)
-        finished = replicas.finish()  # live incarnations' final counters
+        finished = retired | replicas.finish()  # every incarnation's final counters
         counters.update(finished)
         for i, read in sorted(data_read.items()):  # where each replica read its rows
             job.log("replica_data", replica=i, **read)

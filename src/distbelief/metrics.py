@@ -80,7 +80,9 @@ def plot_breakdown(ax, steps: list[dict]) -> None:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Plot training loss and test accuracy against wall time; returns the PNG's path."""
+    """Plot training loss and test accuracy against wall time (a dashed line where the run
+    was scaled) and each replica's step-time breakdown (one bar per replica that ran, added
+    or stopped ones included); returns the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,6 +114,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
                ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
+        for e in events:  # replicas added or stopped while the run went on
+            if e["event"] == "scale":
+                ax.axvline(e["t"] - start, ls="--", color="grey", lw=1)
+                ax.annotate(f"{e['to']} replicas", (e["t"] - start, 0.98), rotation=90,
+                            xycoords=("data", "axes fraction"), va="top", fontsize="small")
     fig.tight_layout()
     out = Path(out) if out is not None else Path(run_dir) / "plot.png"
     fig.savefig(out, dpi=110)

@@ -48,8 +48,11 @@ class ReplicaLoop:
         self.host = host(replica=index)
         self.device = getattr(self.host, "device", CPU)  # batches go where the host computes
         self.source = source_kind(x, y)
+        self.data = (x, y)
         self.batches = replica_batches(x, y, index, cfg.replicas, cfg.batch_size, cfg.seed,
-                                       cfg.data_split, start_step)
+                                       cfg.data_split, start_step) if index < cfg.replicas \
+            else iter(())  # a replica added to a running job reads where run() says
+        self.slot, self.drawn = index, start_step  # (slot, step) of batches' next batch
         self.ahead: deque[tuple[np.ndarray, np.ndarray]] = deque()  # drawn by _upcoming
         self.step = start_step
         self.since_push = 0
@@ -69,16 +72,24 @@ class ReplicaLoop:
         """The partition actors of a model-parallel replica (for tools and fault tests)."""
         return self.host.partitions()
 
-    def run(self, n_steps: int) -> dict:
-        """Run ``n_steps`` steps; returns their events and this replica's counters."""
+    def run(self, n_steps: int, slot: int | None = None, at: int | None = None) -> dict:
+        """Run ``n_steps`` steps; returns their events and this replica's counters. With
+        ``slot`` and ``at``, their batches are data slot ``slot``'s from its step ``at`` on
+        (the rows replica ``slot`` of ``cfg.replicas`` reads; see
+        :class:`~distbelief.segments.WorkPool`); by default the batches that follow."""
         cfg, events = self.cfg, []
+        if slot is not None and (slot, at) != self._next_batch():
+            self.batches = replica_batches(*self.data, slot, cfg.replicas, cfg.batch_size,
+                                           cfg.seed, cfg.data_split, at)
+            self.slot, self.drawn = slot, at
+            self.ahead.clear()
         idle = 0.0 if self.segment_end is None else time.perf_counter() - self.segment_end
         for _ in range(n_steps):
             began = time.perf_counter()
             fetched = self.step % cfg.n_fetch == 0
             fields = self.host.fetch(self._upcoming) if fetched else self.host.event_fields
             fetch_wait = time.perf_counter() - began
-            x_np, y_np = self.ahead.popleft() if self.ahead else next(self.batches)
+            x_np, y_np = self.ahead.popleft() if self.ahead else self._draw()
             x, y = on_device(self.device, torch.from_numpy(x_np), torch.from_numpy(y_np))
             loss = self.host.forward_backward(x, lambda out, y=y: self.loss_fn(out, y))
             computed = time.perf_counter()
@@ -105,6 +116,14 @@ class ReplicaLoop:
         return {"events": events, "step": self.step, **self.host.after_run(events),
                 **self.data_counters()}
 
+    def _next_batch(self) -> tuple[int, int]:
+        """(slot, step) of the next batch this replica would train on."""
+        return self.slot, self.drawn - len(self.ahead)
+
+    def _draw(self) -> tuple[np.ndarray, np.ndarray]:
+        self.drawn += 1
+        return next(self.batches)
+
     def _no_push_before_fetch(self) -> bool:
         """Whether the push just sent at the end of this step is the last one before the
         next fetch, and that fetch is not at the very next step (which fetches anyway, or
@@ -115,7 +134,7 @@ class ReplicaLoop:
     def _upcoming(self) -> np.ndarray:
         """The inputs of the batches from this step until the next fetch (drawn ahead)."""
         while len(self.ahead) < self.cfg.n_fetch:
-            self.ahead.append(next(self.batches))
+            self.ahead.append(self._draw())
         return np.concatenate([x for x, _ in list(self.ahead)[: self.cfg.n_fetch]])
 
     def data_counters(self) -> dict:

@@ -1,71 +1,197 @@
-"""Downpour's replicas as the driver sees them: segments of steps, and restarts.
+"""Downpour's replicas as the driver sees them: the run's work, segments of it, and restarts.
 
-:class:`SegmentSchedule` (pure) says which replica runs its next segment and for how many
-steps: during warm-start replica 0 runs alone up to ``warmstart_steps``, then every replica
-runs up to ``steps``; with ``max_staleness`` K (SSP, Ho et al. 2013) a segment ends before
-any step s its replica may not start yet: step s starts once every live replica has done at
-least s - K steps (K = 0: lockstep). :class:`Replicas` holds the replica actors by index and
-restarts one that dies at the step it had reached, up to ``max_restarts`` times, then drops
-it.
+:class:`WorkPool` (pure) holds the run's fixed work in mini-batches: for each data *slot* (a
+replica index at the run's start: slot s reads the rows ``ReplicaSampler(slot=s,
+replicas=slots)`` picks), the steps still to run, as ranges. Each replica (a *worker*) runs
+segments of at most ``segment_steps`` steps from its own queue of ranges; at the start
+replica i holds slot i's steps. A worker removed gives its queue back for the others to
+take; a worker added while the run goes on (and, once the run has been scaled, any idle
+worker) takes the back half of the longest queue. An unscaled run thus runs as before. So the run
+ends having run every slot's steps once, whatever the replicas did: the samples of an
+unchanged run. During warm-start only slot 0's steps below ``warmstart_steps`` are handed
+out, one segment at a time. With ``max_staleness`` K (SSP, Ho et al. 2013) a segment ends
+before any step its worker may not start yet: a worker's step s (counting the steps it has
+run) starts once every live worker has run at least s - K steps (K = 0: lockstep); a worker
+added later starts level with the slowest. :class:`Replicas` holds the replica actors by
+index, starts new ones, retires them, and restarts one that dies, up to ``max_restarts``
+times, then drops it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import ray
 
 from distbelief.job import Job
 from distbelief.ps.group import ShardSet
 
+__all__ = ["Range", "Replicas", "Start", "WorkPool"]
+
 Start = Callable[[int, int, int], ray.actor.ActorHandle]  # replica i at a step, incarnation
+Range = tuple[int, int, int]  # (slot, start, end): steps start..end-1 of data slot ``slot``
 
 
-class SegmentSchedule:
-    """Segments of at most ``segment_steps`` steps; ``done`` is each replica's step count so
-    far (a resumed run's counts, or zeros)."""
+def _steps(ranges: Iterable[Range]) -> int:
+    return sum(end - start for _, start, end in ranges)
 
-    def __init__(self, steps: int, warmstart_steps: int, segment_steps: int,
-                 done: dict[int, int], max_staleness: int | None = None) -> None:
-        self.steps = steps
-        self.warmstart_steps = warmstart_steps
-        self.segment_steps = segment_steps
-        self.done = dict(done)
-        self.warm = self.done[0] < warmstart_steps
+
+class WorkPool:
+    """The run's unrun steps (see the module docstring). ``remaining``: each slot's unrun
+    ``(start, end)`` ranges (a new run: ``{s: [(0, steps)]}``); ``slots`` and ``steps``: the
+    run's replicas and steps per replica at its start."""
+
+    def __init__(self, slots: int, steps: int, remaining: Mapping[int, Sequence[Sequence[int]]],
+                 segment_steps: int, warmstart_steps: int = 0,
+                 max_staleness: int | None = None) -> None:
+        self.slots, self.steps, self.segment_steps = slots, steps, segment_steps
         self.max_staleness = max_staleness
-        self.live = set(self.done)  # replicas the bound waits for (dropped ones leave)
+        self.ran: dict[int, int] = {}  # steps each worker has run (the SSP bound's clock)
+        self.live: set[int] = set()  # workers the bound waits for (removed ones leave)
+        self.warmstart_steps = warmstart_steps
+        self.free: list[Range] = sorted((int(s), int(a), int(b)) for s, rs in remaining.items()
+                                        for a, b in rs if b > a)
+        self.queues: dict[int, list[Range]] = {}
+        self.running: dict[int, Range] = {}
+        self.balance = False  # idle workers take from others' queues (set once scaled)
 
-    def first(self, replicas: Iterable[int]) -> list[int]:
-        """The replicas that get a segment at the start: replica 0 alone while warm."""
-        return [0] if self.warm else list(replicas)
+    @classmethod
+    def from_done(cls, slots: int, steps: int, done: Mapping[int, int], segment_steps: int,
+                  warmstart_steps: int = 0, max_staleness: int | None = None) -> WorkPool:
+        """The pool of a run whose slot s has done its first ``done[s]`` steps (0 if absent)."""
+        return cls(slots, steps, {s: [(done.get(s, 0), steps)] for s in range(slots)},
+                   segment_steps, warmstart_steps, max_staleness)
 
-    def segment(self, i: int) -> int:
-        """Steps of replica ``i``'s next segment; 0 when it has none (for now)."""
-        limit = self.warmstart_steps if self.warm else self.steps
-        n = min(self.segment_steps, limit - self.done[i])
-        if self.max_staleness is not None and not self.warm:
-            slowest = min(self.done[j] for j in self.live)
-            n = min(n, slowest + self.max_staleness + 1 - self.done[i])
-        return max(n, 0)
+    @classmethod
+    def resumed(cls, slots: int, steps: int, work: Mapping[str, Sequence[Sequence[int]]],
+                saved_steps: int, segment_steps: int, warmstart_steps: int = 0,
+                max_staleness: int | None = None) -> WorkPool:
+        """The pool of a run resumed from a checkpoint whose ``work`` (:meth:`remaining`) was
+        of ``saved_steps`` steps a slot, now run to ``steps``: ranges past the old end are
+        added, ranges past the new end cut."""
+        more = [(saved_steps, steps)] if steps > saved_steps else []
+        return cls(slots, steps, {int(k): [(a, min(b, steps)) for a, b in v if a < steps]
+                                  + more for k, v in work.items()},
+                   segment_steps, warmstart_steps, max_staleness)
 
-    def returned(self, i: int, step: int, replicas: Iterable[int]) -> tuple[list[int], bool]:
-        """Replica ``i`` has now done ``step`` steps: the replicas among ``replicas`` to hand
-        a segment next, and whether warm-start ended here."""
-        self.done[i] = step
-        if self.warm and self.done[0] >= self.warmstart_steps:
-            self.warm = False
-            return [j for j in replicas if self.done[j] < self.steps], True
-        if self.max_staleness is not None and not self.warm:  # it may unblock others
-            return [j for j in replicas if self.done[j] < self.steps], False
-        return [i], False
+    def assign(self, workers: Iterable[int]) -> None:
+        """Workers at the run's start: worker w takes the free ranges of slot w."""
+        for w in workers:
+            mine = [r for r in self.free if r[0] == w]
+            self.queues.setdefault(w, []).extend(mine)
+            self.free = [r for r in self.free if r[0] != w]
+            self.ran.setdefault(w, self.steps - _steps(mine))
+            self.live.add(w)
 
-    def drop(self, i: int) -> None:
-        """Replica ``i`` was dropped: the staleness bound no longer waits for it."""
-        self.live.discard(i)
+    def _unrun(self) -> list[Range]:
+        return ([r for q in self.queues.values() for r in q] + self.free
+                + list(self.running.values()))
+
+    @property
+    def warm(self) -> bool:
+        """Whether slot 0 still has steps below ``warmstart_steps`` to run."""
+        return any(s == 0 and a < self.warmstart_steps for s, a, _ in self._unrun())
+
+    def left(self) -> int:
+        """Steps not run yet (running ones included)."""
+        return _steps(self._unrun())
+
+    def idle(self, w: int) -> bool:
+        return w not in self.running
+
+    def next(self, w: int) -> Range | None:
+        """Worker ``w``'s next segment (now running), or None when there is none for it."""
+        if w in self.running:
+            raise ValueError(f"worker {w} is already running {self.running[w]}")
+        queue = self.queues.setdefault(w, [])
+        if w not in self.ran:  # a worker added while the run goes on: level with the slowest
+            self.ran[w] = min((self.ran[v] for v in self.live), default=0)
+            self.live.add(w)
+        if self.warm:
+            return self._warm_segment(w, queue)
+        cap = self.segment_steps
+        if self.max_staleness is not None:  # SSP: at most K steps ahead of the slowest
+            cap = min(self.ran[v] for v in self.live) + self.max_staleness + 1 - self.ran[w]
+            if cap <= 0:
+                return None
+        if not queue and self.free:
+            queue.append(self.free.pop(0))
+        if not queue and (self.balance or w >= self.slots):
+            self._steal(w, queue)
+        if not queue:
+            return None
+        return self._cut(w, queue, min(queue[0][2], queue[0][1] + cap))
+
+    def _warm_segment(self, w: int, queue: list[Range]) -> Range | None:
+        if any(s == 0 and a < self.warmstart_steps for s, a, _ in self.running.values()):
+            return None  # one warm-start segment at a time
+        for i, r in enumerate(self.free):
+            if r[0] == 0 and r[1] < self.warmstart_steps:
+                queue.insert(0, self.free.pop(i))
+                break
+        if not queue or queue[0][0] != 0 or queue[0][1] >= self.warmstart_steps:
+            return None
+        return self._cut(w, queue, min(queue[0][2], self.warmstart_steps))
+
+    def _cut(self, w: int, queue: list[Range], bound: int) -> Range:
+        slot, a, b = queue[0]
+        end = min(bound, a + self.segment_steps)
+        if end == b:
+            queue.pop(0)
+        else:
+            queue[0] = (slot, end, b)
+        self.running[w] = (slot, a, end)
+        return self.running[w]
+
+    def _steal(self, w: int, queue: list[Range]) -> None:
+        """Take the back half of the longest other queue (of at least 2 steps)."""
+        victims = [(_steps(q), v) for v, q in self.queues.items() if v != w]
+        total, victim = max(victims, key=lambda v: (v[0], -v[1]), default=(0, None))
+        if total < 2:
+            return
+        theirs, want, taken = self.queues[victim], total // 2, []
+        while want:
+            slot, a, b = theirs.pop()
+            k = min(want, b - a)
+            taken.insert(0, (slot, b - k, b))
+            if k < b - a:
+                theirs.append((slot, a, b - k))
+            want -= k
+        queue.extend(taken)
+
+    def done(self, w: int) -> Range:
+        """Worker ``w`` ran its segment; the segment."""
+        segment = self.running.pop(w)
+        self.ran[w] = self.ran.get(w, 0) + segment[2] - segment[1]
+        return segment
+
+    def failed(self, w: int) -> None:
+        """Worker ``w`` died in its segment (if any): the segment goes back to the front of
+        its queue, to run again."""
+        if w in self.running:
+            self.queues.setdefault(w, []).insert(0, self.running.pop(w))
+
+    def remove(self, w: int) -> None:
+        """Worker ``w`` is gone: its queue (and a segment it died in) is free for others."""
+        self.failed(w)
+        self.free = sorted(self.free + self.queues.pop(w, []))
+        self.live.discard(w)  # the staleness bound no longer waits for it
+
+    def remaining(self) -> dict[str, list[list[int]]]:
+        """Each slot's unrun ranges, merged and sorted (a checkpoint manifest's ``work``)."""
+        out: dict[str, list[list[int]]] = {str(s): [] for s in range(self.slots)}
+        for s, a, b in sorted(self._unrun()):
+            ranges = out.setdefault(str(s), [])
+            if ranges and ranges[-1][1] == a:
+                ranges[-1][1] = b
+            else:
+                ranges.append([a, b])
+        return out
 
     def replica_steps(self) -> dict[str, int]:
-        """Each replica's step count, as a checkpoint's manifest records it."""
-        return {str(k): v for k, v in self.done.items()}
+        """Steps run in each slot (a checkpoint manifest's ``replica_steps``)."""
+        return {s: self.steps - sum(b - a for a, b in rs)
+                for s, rs in self.remaining().items()}
 
 
 class Replicas:
@@ -104,6 +230,19 @@ class Replicas:
             return False
         self.actors[i] = self._started(i, step)
         return True
+
+    def add(self, i: int) -> None:
+        """Start a new replica ``i`` (an index never used in this run) at step 0."""
+        self.actors[i] = self._started(i, 0)
+        self.restarts[i] = 0
+
+    def retire(self, i: int) -> dict:
+        """Replica ``i`` pushes what it still holds and stops; its final counters."""
+        actor = self.actors.pop(i)
+        try:
+            return ray.get(actor.finish.remote())
+        finally:
+            ray.kill(actor)
 
     def restarted(self) -> bool:
         """Whether any replica was restarted (its counters before dying are lost)."""
