@@ -17,7 +17,9 @@ FAST_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000
 
 @pytest.fixture
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3,
+    # 2 + 2 CPUs for a shard, its standby and 2 replicas (one CPU each): with the standby
+    # spread off its primary's node, each node has room for one replica
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2,
                                                             "_system_config": FAST_DEATH})
     second = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()

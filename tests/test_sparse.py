@@ -31,7 +31,7 @@ SPEC = TableSpec("emb", rows=1000, dim=4, init_scale=0.1, seed=3)
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd", "momentum"])
 def test_row_sparse_update_equals_dense_rule_restricted_to_touched_rows(optimizer):
-    rule = make_rule(optimizer, 0.1)
+    rule = make_rule(optimizer, 0.1, rows=True)
     rng = np.random.default_rng(0)
     table = RowTable(SPEC, rule)
     dense = initial_rows(SPEC, np.arange(SPEC.rows))  # the whole table, dense
@@ -61,7 +61,7 @@ def test_row_sparse_update_equals_dense_rule_restricted_to_touched_rows(optimize
 
 def test_adagrad_on_rows_matches_the_dense_adagrad_rule_on_the_whole_table():
     # all-rows pushes: the sparse path must equal ps/optim's dense Adagrad exactly
-    rule = make_rule("adagrad", 0.05)
+    rule = make_rule("adagrad", 0.05, rows=True)
     table = RowTable(SPEC, rule)
     dense = initial_rows(SPEC, np.arange(SPEC.rows)).reshape(-1)
     acc = {"accumulator": np.zeros_like(dense)}
@@ -75,8 +75,8 @@ def test_adagrad_on_rows_matches_the_dense_adagrad_rule_on_the_whole_table():
 
 def test_lazy_rows_are_seeded_and_independent_of_touch_order():
     rows = np.array([5, 999, 0, 17, 5])
-    a = RowTable(SPEC, make_rule("sgd", 0.1))
-    b = RowTable(SPEC, make_rule("sgd", 0.1))
+    a = RowTable(SPEC, make_rule("sgd", 0.1, rows=True))
+    b = RowTable(SPEC, make_rule("sgd", 0.1, rows=True))
     b.fetch(np.array([17]))
     b.push(np.array([999, 3]), np.zeros((2, SPEC.dim), np.float32))  # materialise some first
     np.testing.assert_array_equal(a.fetch(rows), b.fetch(rows))
@@ -95,7 +95,7 @@ def test_lazy_rows_are_seeded_and_independent_of_touch_order():
 
 def test_a_huge_nominal_table_costs_only_its_touched_rows():
     spec = TableSpec("big", rows=10**12, dim=16)
-    table = RowTable(spec, make_rule("adagrad", 0.1))
+    table = RowTable(spec, make_rule("adagrad", 0.1, rows=True))
     rows = np.array([0, 10**12 - 1, 123456789012])
     table.push(rows, np.ones((3, 16), np.float32))
     assert table.materialized == 3
@@ -118,7 +118,7 @@ BAD_PUSHES = [
 @pytest.mark.parametrize("rows,grads,reason,message", BAD_PUSHES, ids=[b[2] for b in BAD_PUSHES])
 def test_bad_pushes_are_rejected_with_a_clear_message_and_change_nothing(rows, grads, reason,
                                                                           message):
-    table = RowTable(SPEC, make_rule("adagrad", 0.1))
+    table = RowTable(SPEC, make_rule("adagrad", 0.1, rows=True))
     before = table.fetch(np.array([1, 2]))
     problem = table.push(rows, grads)
     assert problem is not None and message in problem and "\n" not in problem

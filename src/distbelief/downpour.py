@@ -234,6 +234,7 @@ class DownpourSGD(Trainer):
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
         evals.stop(collect=True)
+        shards.retry(lambda: shards.check_rejections(cfg.max_rejected))  # a last probe
         finished = retired | replicas.finish()  # every incarnation's final counters
         counters.update(finished)
         for i, read in sorted(data_read.items()):  # where each replica read its rows

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distbelief.ps.group import ShardGroup, dead_shards
 
@@ -52,8 +53,10 @@ class FailoverGroup(ShardGroup):
     def start(self, restored: Sequence[dict | None] | None = None,
               source=None) -> FailoverGroup:
         super().start(restored, source)
-        self.directory = ShardDirectory.options(name=self.directory_name).remote(
-            self._handles)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                              soft=False)  # the driver's node: it stays
+        self.directory = ShardDirectory.options(name=self.directory_name,
+                                                scheduling_strategy=here).remote(self._handles)
         for i in range(self.count):
             self._replenish(i)
         return self
