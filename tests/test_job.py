@@ -7,7 +7,7 @@ import numpy as np
 
 from distbelief.checkpoint import load_row_shard, load_shard, read_manifest, shard_file
 from distbelief.checkpointer import Checkpointer
-from distbelief.job import Cadence, Job, actor_name
+from distbelief.job import Cadence, Job, actor_name, node_for
 from distbelief.ps.group import ShardSet, rejection_error
 from distbelief.ps.optim import Adagrad
 from distbelief.ps.plan import ShardPlan
@@ -144,3 +144,14 @@ def test_row_shard_restore_point_is_read_from_the_manifest(tmp_path):
     part = load_row_shard(tmp_path, 4, 1)
     assert part["version"] == 5
     np.testing.assert_array_equal(part["arrays"]["t/rows"], np.arange(3))
+
+
+def test_actors_are_placed_round_robin_over_the_sorted_live_nodes():
+    nodes = ["b", "a", "c"]
+    assert [node_for(nodes, "replica", i) for i in range(5)] == ["a", "b", "c", "a", "b"]
+    assert node_for(["b", "c"], "replica", 0) == "b"  # node a left: replica 0 moves on
+    # standby k (counted from 1) of shard k - 1 is never on its primary's node
+    assert all(node_for(nodes, "standby", k + 1) != node_for(nodes, "shard", k)
+               for k in range(3))
+    assert node_for(["a"], "replica", 3) is None  # one node: Ray's choice
+    assert node_for([], "replica", 0) is None

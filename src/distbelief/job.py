@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distbelief import storage
 from distbelief.checkpoint import save_arrays
@@ -35,6 +36,24 @@ class TrainResult:
     replica_counters: dict[int, dict]
     events: list[dict] = field(repr=False)
     run_dir: str | None = None
+
+
+def node_for(nodes: list[str], role: str, index: int) -> str | None:
+    """The node that actor ``index`` of ``role`` is placed on, given the live nodes able to
+    run it (``None`` with fewer than two: the scheduler's choice). Round-robin by index
+    over the sorted nodes, so replicas and shards spread evenly and a restarted actor
+    returns to its node while that node lives; standbys (whose index counts from 1 over the
+    run) start one node along, so standby ``k`` of shard ``k - 1`` is off its primary's
+    node."""
+    if len(nodes) < 2:
+        return None
+    return sorted(nodes)[index % len(nodes)]
+
+
+def live_nodes(resource: str = "CPU") -> list[str]:
+    """The ids of the cluster's live nodes that have some ``resource``."""
+    return [n["NodeID"] for n in ray.nodes()
+            if n.get("Alive") and n.get("Resources", {}).get(resource, 0) > 0]
 
 
 def actor_name(run_id: str, role: str, index: int) -> str:
@@ -91,12 +110,22 @@ class Job:
         """``actor_class(*args, **kwargs)`` as the actor named ``actor_name(run_id, role,
         index)``, spread over the nodes (with Ray actor ``options`` such as ``num_gpus``);
         retried while a dead predecessor's name is still being freed (Ray frees it
-        asynchronously)."""
+        asynchronously).
+
+        On a cluster of several nodes the actor is placed by :func:`node_for` (a soft node
+        affinity: Ray places it elsewhere when that node cannot take it); Ray's own
+        ``SPREAD`` is best-effort and, since actors hold no CPU once placed, may put every
+        replica on one node."""
+        options = dict(options or {})
+        if "scheduling_strategy" not in options:
+            node = node_for(live_nodes("GPU" if options.get("num_gpus") else "CPU"),
+                            role, index)
+            options["scheduling_strategy"] = "SPREAD" if node is None else \
+                NodeAffinitySchedulingStrategy(node, soft=True)
         for _ in range(ACTOR_NAME_TRIES):
             try:
                 return actor_class.options(name=actor_name(self.run_id, role, index),
-                                           scheduling_strategy="SPREAD",
-                                           **(options or {})).remote(*args, **kwargs)
+                                           **options).remote(*args, **kwargs)
             except ray.exceptions.ActorAlreadyExistsError:
                 time.sleep(0.05)
         raise RuntimeError(f"{role} {index}'s actor name is still taken after it died")
