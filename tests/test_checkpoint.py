@@ -182,11 +182,12 @@ def test_sigterm_checkpoints_and_leaves_no_ray_processes(tmp_path):
     assert not alive, [p.pid for p in alive]
 
 
+@pytest.mark.usefixtures("ray_local")  # its 3 runs share one Ray session, as in a notebook
 def test_adam_and_schedule_state_survive_resume_exactly(tmp_path, capsys):
     """Adam (amsgrad: four state arrays, one a (1,) step count) with a warm-up/cosine schedule
-    on 2 shards, 1 replica (deterministic): 20 steps, a resume that adds none (its checkpoint
-    must equal the one it restored), then a resume to 40 steps ends exactly where a straight
-    40-step run does (moments, step counts and the schedule's position all came back)."""
+    on 2 shards, 1 replica (deterministic): 20 steps, then a resume to 40 steps ends exactly
+    where a straight 40-step run does (moments, step counts and the schedule's position all
+    came back)."""
     common = ["--replicas", "1", "--shards", "2", "--optimizer", "adam", "--lr", "0.01",
               "--optimizer-arg", "amsgrad=true", "--lr-schedule", "warmup:10,cosine:60"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -197,17 +198,6 @@ def test_adam_and_schedule_state_survive_resume_exactly(tmp_path, capsys):
     assert manifest["state"] == ["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
     saved = [load_arrays(split / "checkpoints" / s["file"]) for s in manifest["shards"]]
     assert [a["step"].tolist() for a in saved] == [[20.0], [20.0]]
-
-    code, out = cli([*common, "--steps", "20", "--resume", str(split)], capsys)
-    assert code == 0, out.err
-    again = json.loads(sorted((split / "checkpoints").glob("checkpoint-*.json"))[-1]
-                       .read_text())
-    assert again["checkpoint"] > manifest["checkpoint"]
-    for before, entry in zip(saved, again["shards"]):
-        after = load_arrays(split / "checkpoints" / entry["file"])
-        assert set(after) == set(before)
-        for name in before:
-            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
 
     code, out = cli([*common, "--steps", "40", "--resume", str(split)], capsys)
     assert code == 0, out.err
