@@ -71,11 +71,10 @@ class SandblasterLBFGS(Trainer):
         cfg = self.cfg
 
         def start(i: int):
-            return SandblasterReplica.options(name=self.actor_name("replica", i),
-                                              scheduling_strategy="SPREAD",
-                                              **gpu_options(cfg.gpus_per_replica)).remote(
-                i, self._host(blueprint, shards), self.loss_fn, x_ref, y_ref,
-                float(cfg.slow_replicas.get(i, 1.0)))
+            return self.job.actor(SandblasterReplica, "replica", i, i,
+                                  self._host(blueprint, shards), self.loss_fn, x_ref, y_ref,
+                                  float(cfg.slow_replicas.get(i, 1.0)),
+                                  options=gpu_options(cfg.gpus_per_replica))
 
         return start
 
