@@ -254,3 +254,41 @@ def test_without_backup_workers_every_update_takes_every_replicas_gradient():
             versions.setdefault(e["replica"], []).append(e["versions"])
     for seen in versions.values():
         assert seen == [[k, k] for k in range(updates)]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_killed_replica_rejoins_a_fully_synchronous_run(tmp_path):
+    """B = 0: every update waits for the killed replica until its restart pushes."""
+    import json
+    import time
+
+    import ray
+
+    updates, ds = 60, data.digits()
+    trainer = DownpourSGD(models.mlp(ds.features, 32, ds.classes, 0), replicas=2, shards=2,
+                          lr=0.1, batch_size=32, steps=updates, seed=0, backup_workers=0,
+                          eval_every_s=60, run_dir=tmp_path)
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(r=trainer.fit(
+        ds.x_train, ds.y_train, ds.x_test, ds.y_test)))
+    thread.start()
+
+    def replica_1_stepped():
+        try:
+            with open(tmp_path / "metrics.jsonl", encoding="utf-8") as fh:
+                events = [json.loads(line) for line in fh if line.endswith("\n")]
+        except FileNotFoundError:
+            return False
+        return any(e["event"] == "step" and e["replica"] == 1 for e in events)
+
+    while thread.is_alive() and not replica_1_stepped():
+        time.sleep(0.05)
+    ray.kill(ray.get_actor(trainer.actor_name("replica", 1)))
+    thread.join(timeout=240)
+    result = outcome["r"]
+    assert [e["replica"] for e in result.events if e["event"] == "replica_failed"] == [1]
+    for s in result.shard_stats:
+        agg = s["sync"]
+        assert s["version"] == updates and agg["updates"] == updates and agg["pending"] == 0
+        assert agg["accepted"] == 2 * updates and agg["dropped_late"] == 0  # 2 a version
+        assert s["pushes_by_replica"] == {"0": updates, "1": updates}  # both in every one
