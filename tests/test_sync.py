@@ -241,6 +241,7 @@ def test_without_backup_workers_every_update_takes_every_replicas_gradient():
     updates = 60
     result = sync_run(3, 0, updates)
     assert steps_by_replica(result) == {0: updates, 1: updates, 2: updates}  # lockstep
+    assert result.updates == updates
     for s in result.shard_stats:
         agg = s["sync"]
         assert s["version"] == updates and agg["quorum"] == 3

@@ -281,6 +281,8 @@ class DownpourSGD(Trainer):
             job.log("push_accounting", exact=all(s.pop("exact") for s in shards_out),
                     shards=shards_out)
         updates = sum(c["pushes"] for c in counters.values())
+        if cfg.quorum is not None:  # synchronous: the updates are the shards' versions
+            updates = min(s["version"] for s in stats)
         return self._result(evaluator, shards, final, updates, stats, counters)
 
 
