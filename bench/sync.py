@@ -1,7 +1,8 @@
-"""Time to a test accuracy: Downpour SGD vs synchronous data-parallel SGD (DDP) vs one process.
+"""Time to a test accuracy: Downpour SGD vs synchronous data-parallel SGD (DDP) vs one process,
+and distbelief's own synchronous mode with backup workers.
 
 Run: .venv/bin/python bench/sync.py [--workers 4] [--target 0.95] [--slow 2] [--repeats 3]
-     [--out runs/bench-sync]
+     [--backup-workers 1] [--methods downpour ddp sync single] [--out runs/bench-sync]
 Same data (scikit-learn digits, the fixed 80/20 split of distbelief.data), same model (the
 CLI's 64-HIDDEN-10 MLP, same seed), same optimizer and learning rate (Adagrad, --lr), same
 mini-batch per worker (--batch-size), same sampling (data.ReplicaSampler with --data-split;
@@ -10,7 +11,10 @@ DDP's DistributedSampler does) and the same number of workers W for Downpour (W 
 --shards shards) and PyTorch DistributedDataParallel over gloo on 127.0.0.1 (W processes from
 torch.multiprocessing.spawn); the single process runs W * --steps steps. Each variant runs
 as it is and with worker 0 slowed --slow times (it sleeps (F-1) x its own step time after
-every step, the same rule as Downpour's --slow-replica).
+every step, the same rule as Downpour's --slow-replica). "sync" is DownpourSGD with
+--backup-workers B on the same shards (Chen et al. 2016): --steps synchronous updates, each
+the mean of the first W - B gradients of the current version, so W gradients a step as DDP
+when B = 0; the straggler cost of each method (its time slowed / not) is printed.
 
 Clocks start when every worker is ready and stop at the first evaluation reaching --target:
 Ray start-up and actor construction are excluded for Downpour (its clock starts at the run's
@@ -142,6 +146,22 @@ def downpour(args, slow: float) -> list[tuple[float, float]]:
     return downpour_curve(result.events)
 
 
+def sync_backup(args, slow: float) -> list[tuple[float, float]]:
+    """Downpour's shards and replicas in synchronous mode: --backup-workers B, --steps
+    updates (the DDP comparison: one averaged update a step)."""
+    from distbelief import DownpourSGD
+
+    ds = data.digits()
+    trainer = DownpourSGD(models.mlp(ds.features, args.hidden, ds.classes, args.seed),
+                          replicas=args.workers, shards=args.shards, optimizer="adagrad",
+                          lr=args.lr, batch_size=args.batch_size, steps=args.steps,
+                          seed=args.seed, eval_every_s=args.eval_every,
+                          data_split=args.data_split, backup_workers=args.backup_workers,
+                          slow_replicas={0: slow} if slow > 1.0 else {})
+    result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+    return downpour_curve(result.events)
+
+
 def main() -> None:
     parser = make_parser(__doc__)
     add_comparison_args(parser, lr=0.05, lr_help="Adagrad, all three methods",
@@ -152,9 +172,14 @@ def main() -> None:
     parser.add_argument("--run-to-end", dest="stop_at_target", action="store_false",
                         help="DDP and single process: run all steps instead of stopping at "
                              "the target (Downpour always runs all its steps)")
+    parser.add_argument("--backup-workers", type=int, default=1,
+                        help="the sync method's B (each update waits for W - B gradients)")
+    parser.add_argument("--methods", nargs="+", default=["downpour", "ddp", "sync", "single"],
+                        choices=["downpour", "ddp", "sync", "single"])
     parser.add_argument("--out", default="runs/bench-sync")
     args = parser.parse_args()
-    methods = {"downpour": downpour, "ddp": ddp, "single": single_process}
+    every = {"downpour": downpour, "ddp": ddp, "sync": sync_backup, "single": single_process}
+    methods = {name: every[name] for name in args.methods}
     times: dict[str, list[float | None]] = {}
     curves: dict[str, list] = {}
     for r in range(args.repeats):
@@ -168,7 +193,8 @@ def main() -> None:
                 print(f"repeat {r} {key:<22} time to {args.target:.0%}: {fmt(t)}  "
                       f"final acc {curve[-1][1]:.4f} at {curve[-1][0]:.2f}s", flush=True)
     print(f"\nworkers={args.workers} shards={args.shards} batch={args.batch_size} "
-          f"lr={args.lr} n_fetch={args.n_fetch} n_push={args.n_push} hidden={args.hidden}")
+          f"lr={args.lr} n_fetch={args.n_fetch} n_push={args.n_push} hidden={args.hidden} "
+          f"backup_workers={args.backup_workers}")
     med = {}
     for key, ts in times.items():
         done = [t for t in ts if t is not None]
@@ -182,6 +208,13 @@ def main() -> None:
             print(f"{label:<16}: downpour/ddp = {d / s:.2f}" +
                   (f", downpour/single = {d / one:.2f}, ddp/single = {s / one:.2f}"
                    if one else ""))
+    for name in methods:
+        plain, slowed = med.get(name), med.get(f"{name} slow0x{args.slow:g}")
+        if plain and slowed:
+            print(f"straggler cost of {name:<9}: slowed / not = {slowed / plain:.2f}")
+    d, y = med.get(f"sync slow0x{args.slow:g}"), med.get(f"ddp slow0x{args.slow:g}")
+    if d and y:
+        print(f"worker 0 slowed  : sync(B={args.backup_workers})/ddp = {d / y:.2f}")
     written = write_results(args.out, "sync.json", {"args": vars(args), "times": times,
                                                      "curves": curves})
     print(f"wrote {written} and {plot(curves, Path(args.out) / 'figure4.png', args.target)}")

@@ -168,6 +168,12 @@ class TrainConfig:
                                        ": push g + LAMBDA*g*g*(w_now - w_fetched); each shard "
                                        "keeps every replica's last fetch (memory: replicas x "
                                        "model over all shards; 0: off)")
+    backup_workers: int | None = option(section="downpour", metavar="B",
+                                        help="synchronous SGD (Chen et al. 2016): each update "
+                                             "of a shard waits for the first replicas - B "
+                                             "gradients of its version and drops the rest; "
+                                             "--steps counts updates (0: wait for all; "
+                                             "default: off, asynchronous)")
     # sandblaster
     iterations: int = option(40, section="sandblaster", help="L-BFGS iterations at most")
     portions: int = option(0, section="sandblaster",
@@ -233,6 +239,12 @@ class TrainConfig:
                             "replica 0's steps, so pass a smaller value")
         check_cuda_here(self.device, self.gpus_per_replica, self.address)
         return self
+
+    @property
+    def quorum(self) -> int | None:
+        """With ``--backup-workers B``: the gradients each synchronous update waits for,
+        ``replicas - B``; None when updates are asynchronous."""
+        return None if self.backup_workers is None else self.replicas - self.backup_workers
 
     @property
     def ranged_updates(self) -> bool:

@@ -95,6 +95,13 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
 
     check_staleness_flags(cfg.max_staleness, cfg.staleness_lr, cfg.delay_compensation,
                           cfg.algorithm, cfg.ranged_updates)
+    from distbelief.ps.sync import check_sync_flags
+
+    check_sync_flags(cfg.backup_workers, cfg.replicas, cfg.algorithm, cfg.ranged_updates,
+                     max_staleness=cfg.max_staleness, staleness_lr=cfg.staleness_lr,
+                     delay_compensation=cfg.delay_compensation,
+                     shard_backups=cfg.shard_backups, n_fetch=cfg.n_fetch, n_push=cfg.n_push,
+                     warmstart_steps=cfg.warmstart_steps)
     if cfg.shard_backups and cfg.delay_compensation:
         raise UserError(f"{flag('shard_backups')} with {flag('delay_compensation')}: standbys "
                         "apply pushes without the replicas' fetched copies that delay "

@@ -7,6 +7,10 @@ Between fetches it applies its own gradients locally with plain SGD (the paper's
 Algorithm 7.1). Replicas never wait for each other; shards never wait for each other.
 The driver hands each replica its next segment of steps as soon as the last one returns,
 evaluates held-out accuracy from the shards, and restarts a replica that dies.
+
+With ``--backup-workers B`` the same replicas and shards run synchronous SGD instead
+(:mod:`distbelief.ps.sync`): each shard update is the mean of the first replicas - B
+gradients of its version, and the run ends after ``steps`` updates.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from distbelief.errors import UserError
 from distbelief.evaluation import Evaluations
 from distbelief.job import Cadence
 from distbelief.limits import Resources
-from distbelief.ps.group import ShardSet
+from distbelief.ps.group import MAX_SHARD_RESTARTS, ShardSet
 from distbelief.ps.ledger import account, key_of, next_incarnation
 from distbelief.replica import DATA_COUNTERS, DownpourReplica
 from distbelief.segments import Replicas, Start, WorkPool
@@ -33,6 +37,15 @@ from distbelief.trainer import Evaluator, Trainer, TrainResult
 
 SEGMENT_STEPS = 10  # steps a replica runs per driver call; small keeps the driver responsive
 MAX_RESTARTS = 3  # per replica, before it is dropped and the others carry on
+
+
+def slot_steps(cfg: TrainConfig) -> int:
+    """Steps each data slot may run: ``steps``; with ``--backup-workers`` an upper bound,
+    since the run ends after ``steps`` updates (a replica computes one gradient per version
+    it fetches, more only after its restart or a shard's restart from a checkpoint)."""
+    if cfg.backup_workers is None:
+        return cfg.steps
+    return cfg.steps * (1 + MAX_SHARD_RESTARTS) + MAX_RESTARTS + 1
 
 
 class DownpourSGD(Trainer):
@@ -59,6 +72,9 @@ class DownpourSGD(Trainer):
         total steps. :class:`UserError` when no fit runs, or ``replicas`` is below 1 or
         beyond what the machine or cluster can run."""
         requests = self._requests
+        if self.cfg.backup_workers is not None:
+            raise UserError("a synchronous run (--backup-workers) keeps its replicas: its "
+                            "quorum is fixed at the start; run without --backup-workers")
         if requests is None:
             raise UserError("no run in progress: call scale(replicas=N) while fit() runs "
                             "(in another thread)")
@@ -119,17 +135,18 @@ class DownpourSGD(Trainer):
         moment it returns; evaluate, check rejections, apply scale requests and checkpoint
         on their cadences."""
         cfg, job = self.cfg, self.job
+        budget = slot_steps(cfg)
         evals = Evaluations(job, shards, evaluator, cfg)
         evals.ready()  # the evaluator's process is up before training starts (as replicas)
         first = shards.retry(shards.stats)
         job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where(),
                 versions=[s["version"] for s in first])
         job.progress(cfg.replicas * cfg.steps)
-        pool = (WorkPool.resumed(cfg.replicas, cfg.steps, self.resumed_work[0],
+        pool = (WorkPool.resumed(cfg.replicas, budget, self.resumed_work[0],
                                  self.resumed_work[1], SEGMENT_STEPS, cfg.warmstart_steps,
                                  cfg.max_staleness)
                 if self.resumed_work else
-                WorkPool.from_done(cfg.replicas, cfg.steps, self.resumed_steps, SEGMENT_STEPS,
+                WorkPool.from_done(cfg.replicas, budget, self.resumed_steps, SEGMENT_STEPS,
                                    cfg.warmstart_steps, cfg.max_staleness))
         pool.assign(replicas.actors)
         steps = {i: self.resumed_steps.get(i, 0) for i in replicas.actors}  # each one's own
@@ -139,8 +156,11 @@ class DownpourSGD(Trainer):
         pending: dict[ray.ObjectRef, int] = {}
         data_read: dict[int, dict] = {}  # each replica's DATA_COUNTERS, from its last reply
         warm = pool.warm
+        synced = False  # --backup-workers: the run's updates are done
 
         def feed() -> None:  # a segment for every idle replica that has work
+            if synced:
+                return
             for i in sorted(set(replicas.actors) - set(pending.values()) - stopping):
                 seg = pool.next(i)
                 if seg is not None:
@@ -179,7 +199,7 @@ class DownpourSGD(Trainer):
 
         def checkpoint() -> None:
             checkpoints.write({"algorithm": "downpour", "replica_steps": pool.replica_steps(),
-                               "work": pool.remaining(), "steps": cfg.steps})
+                               "work": pool.remaining(), "steps": budget})
 
         try:
             while pending:
@@ -189,7 +209,10 @@ class DownpourSGD(Trainer):
                 if probe.due():
                     shards.retry(lambda: shards.check_rejections(cfg.max_rejected))
                     asked = self._requests.take()
-                    if asked is not None:
+                    if asked is not None and cfg.quorum is not None:
+                        job.log("scale_refused", reason=asked[1], replicas=asked[0],
+                                why="a synchronous run (--backup-workers) keeps its replicas")
+                    elif asked is not None:
                         rescale(*asked)
                     probe.restart()
                 wake = min(probe.at, checkpoints.cadence.at, evals.wake())
@@ -209,15 +232,23 @@ class DownpourSGD(Trainer):
                             replicas.actors.pop(i)
                         elif not replicas.failed(i, steps[i], err, shards):
                             pool.remove(i)  # dropped: the others run its steps
+                            if cfg.quorum is not None and len(replicas.actors) < cfg.quorum:
+                                raise RuntimeError(
+                                    f"{len(replicas.actors)} replicas are left, fewer than "
+                                    f"the {cfg.quorum} each synchronous update waits for; see "
+                                    "the run's replica_failed events") from err
                         feed()
                         continue
                     pool.done(i)
                     for e in reply["events"]:
                         job.log("step", **e)
                     data_read[i] = {k: reply.pop(k) for k in DATA_COUNTERS if k in reply}
-                    counters[i] = {k: v for k, v in reply.items() if k not in ("events", "step")}
+                    counters[i] = {k: v for k, v in reply.items()
+                                   if k not in ("events", "step", "sync_done")}
                     steps[i] = reply["step"]
-                    job.tick(len(reply["events"]), reply["events"][-1]["loss"])
+                    synced |= bool(reply.get("sync_done"))
+                    if reply["events"]:
+                        job.tick(len(reply["events"]), reply["events"][-1]["loss"])
                     if warm and not pool.warm:
                         warm = False
                         job.log("warmstart_done", step=steps[i])
@@ -230,7 +261,7 @@ class DownpourSGD(Trainer):
             checkpoint()
             job.log("interrupted", replica_steps=pool.replica_steps())
             raise
-        if pool.left():
+        if pool.left() and not synced:
             raise RuntimeError(f"every replica died more than {MAX_RESTARTS} times; see the "
                                "run's replica_failed events")
         evals.stop(collect=True)
@@ -242,11 +273,16 @@ class DownpourSGD(Trainer):
         checkpoint()
         final = evaluate(cfg.average is not None and cfg.average_final)
         stats = shards.retry(shards.stats)
+        if cfg.quorum is not None:
+            job.log("sync", quorum=cfg.quorum, backup_workers=cfg.backup_workers,
+                    shards=[{"shard": s["shard"], **s["sync"]} for s in stats])
         if all("incarnation" in c for c in finished.values()):
             shards_out = push_accounting(first, stats, finished)
             job.log("push_accounting", exact=all(s.pop("exact") for s in shards_out),
                     shards=shards_out)
         updates = sum(c["pushes"] for c in counters.values())
+        if cfg.quorum is not None:  # synchronous: the updates are the shards' versions
+            updates = min(s["version"] for s in stats)
         return self._result(evaluator, shards, final, updates, stats, counters)
 
 

@@ -39,6 +39,10 @@ class ReplicaLoop:
     (a data folder's ``DiskRows``, a torch ``Dataset``), read through the same sampler, or a
     stream factory (see :func:`~distbelief.sources.replica_batches`). ``start_step`` is
     where a restarted replica resumes its schedule and data order.
+
+    With ``--backup-workers`` (synchronous updates) the run ends after ``cfg.steps``
+    updates: once a fetch brings every shard's version to it, the replica computes no more
+    and :meth:`run` returns early with ``sync_done`` true.
     """
 
     def __init__(self, index: int, host: HostFactory, loss_fn: nn.Module, x: Any,
@@ -60,6 +64,8 @@ class ReplicaLoop:
         self.segment_end: float | None = None  # perf_counter() when the last segment ended
         # a host that can send a fetch early offers prefetch(); others fetch at the step
         self.prefetch = getattr(self.host, "prefetch", None)
+        self.sync_target = cfg.steps if cfg.backup_workers is not None else None
+        self.sync_done = False
 
     def where(self) -> str:
         return cluster.node_id()
@@ -89,6 +95,9 @@ class ReplicaLoop:
             fetched = self.step % cfg.n_fetch == 0
             fields = self.host.fetch(self._upcoming) if fetched else self.host.event_fields
             fetch_wait = time.perf_counter() - began
+            if self.sync_target is not None and min(self.host.versions()) >= self.sync_target:
+                self.sync_done = True  # the run's updates are done
+                break
             x_np, y_np = self.ahead.popleft() if self.ahead else self._draw()
             x, y = on_device(self.device, torch.from_numpy(x_np), torch.from_numpy(y_np))
             loss = self.host.forward_backward(x, lambda out, y=y: self.loss_fn(out, y))
@@ -113,8 +122,9 @@ class ReplicaLoop:
             idle = 0.0
             self.step += 1
         self.segment_end = time.perf_counter()
+        done = {} if self.sync_target is None else {"sync_done": self.sync_done}
         return {"events": events, "step": self.step, **self.host.after_run(events),
-                **self.data_counters()}
+                **self.data_counters(), **done}
 
     def _next_batch(self) -> tuple[int, int]:
         """(slot, step) of the next batch this replica would train on."""

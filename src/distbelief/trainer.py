@@ -200,7 +200,8 @@ class Trainer:
                              args=cfg.optimizer_args,
                              schedule=cfg.lr_schedule, rows=cfg.ranged_updates,
                              buffers=buffers if i == 0 else None, average=average,
-                             control=control if control.active else None)
+                             control=control if control.active else None,
+                             quorum=cfg.quorum, end=cfg.steps)
 
         def read(run_dir: Path, number: int, i: int) -> dict:
             return load_shard(run_dir, number, i, plan, self._state_names(),
@@ -226,7 +227,7 @@ class Trainer:
                        names=[self.actor_name("shard", i) for i in range(self.plan.shards)],
                        incarnation=incarnation, resend=self.cfg.shard_backups > 0,
                        directory=self.actor_name("directory", 0) if self.cfg.shard_backups
-                       else None)
+                       else None, sync=self.cfg.quorum is not None)
 
     def _evaluator(self, test) -> Evaluator:
         """The driver's copy of the model, scoring ``test`` (None: no test set)."""

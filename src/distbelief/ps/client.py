@@ -17,6 +17,7 @@ import ray
 
 from distbelief.ps.codec import encode
 from distbelief.ps.plan import ShardPlan
+from distbelief.ps.sync import WAIT_S
 
 INLINE_BYTES = 100 * 1024  # Ray inlines smaller arguments in the call; larger go via ray.put
 RECONNECT_S = 60.0  # how long a client waits for the driver to restart a dead shard
@@ -260,6 +261,43 @@ class PSClient:
     def wait(self) -> None:
         """Block until every push sent is applied (or rejected) by every shard."""
         self._drain(0)
+
+    def wait_newer(self, versions: Sequence[int | None], timeout: float = WAIT_S) -> int:
+        """Block until every shard ``s`` whose ``versions[s]`` is not None is past that
+        version (``--backup-workers``: a replica's gradient of version v waits for the
+        update of v before it fetches); shards are asked together, ``timeout`` seconds per
+        call, again until they move. A shard that died is reconnected to (with ``names``)
+        and not waited for: a restarted shard is behind, its version is fetched at once.
+        Returns the number of calls that timed out (0 when every shard moved within one)."""
+        waiting = {s: int(v) for s, v in enumerate(versions) if v is not None}
+        timeouts = 0
+        while waiting:
+            refs = {s: self.shards[s].wait_version.remote(v, timeout)
+                    for s, v in waiting.items()}
+            for s, ref in refs.items():
+                try:
+                    moved = ray.get(ref) > waiting[s]
+                except ray.exceptions.RayActorError:
+                    if self.names is None:
+                        raise
+                    self._reconnect(s)
+                    moved = True
+                if moved:
+                    del waiting[s]
+                else:
+                    timeouts += 1
+        return timeouts
+
+    def push_sync(self, flat_grad: np.ndarray, buffers: tuple | None = None
+                  ) -> list[int | None]:
+        """:meth:`push` and wait for it: the version each shard took it for, None where the
+        shard died before it answered (the push was dropped: nothing to wait for there)."""
+        before = list(self.dropped_by_shard)
+        pushed_at = list(self.versions)
+        self.push(flat_grad, buffers)
+        self._drain(0)
+        return [None if d != b else v
+                for v, b, d in zip(pushed_at, before, self.dropped_by_shard)]
 
     def _drain(self, keep: int) -> None:
         """Wait for the oldest pushes until at most ``keep`` are outstanding."""

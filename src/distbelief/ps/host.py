@@ -35,6 +35,10 @@ class FlatHost:
     reusable host buffers (:class:`DeviceBuffers`). A model with buffers (BatchNorm
     statistics) reports them to shard 0 with each push and loads shard 0's with each fetch
     (:mod:`distbelief.ps.buffers`); without buffers the calls are exactly as before.
+    With ``sync`` (``--backup-workers``, :mod:`distbelief.ps.sync`) a push is waited for and
+    never fused with the fetch, and the next fetch first waits until every shard that took
+    the push has moved past its version (``sync_waits`` counts the wait calls that timed
+    out).
     """
 
     event_fields: dict = {}
@@ -43,7 +47,7 @@ class FlatHost:
                  names: Sequence[str] | None = None, grad_dtype: str = "float32",
                  fuse: bool = True, device: str = "cpu", staged: bool | None = None,
                  incarnation: int = 0, resend: bool = False,
-                 directory: str | None = None) -> None:
+                 directory: str | None = None, sync: bool = False) -> None:
         self.device = replica_device(device)
         self.flat = FlatModel(model, plan, self.device)
         if staged is None:
@@ -55,7 +59,9 @@ class FlatHost:
         self.client = PSClient(shards, plan, replica=replica, names=names,
                                grad_dtype=grad_dtype, incarnation=incarnation, resend=resend,
                                directory=directory)
-        self.plan, self.fuse, self.replica = plan, fuse, replica
+        self.plan, self.fuse, self.replica = plan, fuse and not sync, replica
+        self.sync, self.sync_waits = sync, 0
+        self._pushed: list[int | None] | None = None  # sync: versions the last push was of
         self.accrued: torch.Tensor | None = None  # created once a step ends without a push
         self._fetched_early = False
         self._prefetched: list | None = None  # a fetch in flight for the next fetching step
@@ -65,6 +71,9 @@ class FlatHost:
     # Downpour
 
     def fetch(self, upcoming: Callable[[], np.ndarray] | None = None) -> dict:
+        if self._pushed is not None:  # sync: the update of the version pushed comes first
+            self.sync_waits += self.client.wait_newer(self._pushed)
+            self._pushed = None
         if self._fetched_early:  # the last push brought this step's parameters back
             self._fetched_early = False
         elif self._prefetched is not None:  # sent after the last push before this step
@@ -122,6 +131,8 @@ class FlatHost:
             self.client.push_fetch_into(self._host_np(grad), self._params_np, buffers=report)
             self._load_buffers()
             self._fetched_early = True
+        elif self.sync:
+            self._pushed = self.client.push_sync(self._host_np(grad), buffers=report)
         else:
             self.client.push(self._host_np(grad), buffers=report)
         if self.accrued is not None:
@@ -153,6 +164,7 @@ class FlatHost:
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
                 "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
                 "retried": c.retried, "incarnation": c.incarnation, "resent": c.resent,
+                **({"sync_waits": self.sync_waits} if self.sync else {}),
                 **self._device_field()}
 
     def _device_field(self) -> dict:

@@ -56,6 +56,10 @@ class PushFetch(ShardSlice):
         nothing but the rejection counter for its reason (``type``, ``dtype``, ``shape``,
         ``nonfinite``). A push with an id ``pid`` (:mod:`distbelief.ps.ledger`) that this
         shard has taken already is answered as before and not applied again.
+
+        With ``--backup-workers`` (:attr:`sync`) a push is a vote towards the version's
+        synchronous update (:meth:`_sync_push`): True if it is counted in, False if it is
+        dropped (late, or the replica's second gradient of the version).
         """
         prior = self.ledger.taken(pid) if pid is not None else None
         if prior is not None:
@@ -72,6 +76,8 @@ class PushFetch(ShardSlice):
             return False
         stale = self.version - int(fetched_version)
         self.staleness[stale] += 1
+        if self.sync is not None:
+            return self._sync_push(grad, stale, int(replica), buffers, pid)
         grad = self._compensate(grad, int(replica))
         self.rule.apply(self.params, grad, self.state, update=self.version,
                         scale=self.control.scale(stale))
@@ -80,6 +86,23 @@ class PushFetch(ShardSlice):
         self.applied(buffers)
         self.noted(pid, True)
         return True
+
+    def _sync_push(self, grad: np.ndarray, stale: int, replica: int, buffers: tuple | None,
+                   pid: PushId | None) -> bool:
+        """Count ``grad`` into the current version's sum (its buffer report folded in) or
+        drop it; once the quorum is in, apply the sum's mean once and move to the next
+        version."""
+        taken = self.sync.offer(grad, stale, replica, self.version)
+        if taken:
+            self.pushes_by_replica[replica] += 1
+            self.fold(buffers)
+            if self.sync.full():
+                self.rule.apply(self.params, self.sync.mean(), self.state, update=self.version)
+                self.sync.clear()
+                self.version += 1
+                self.applied()
+        self.noted(pid, taken)
+        return taken
 
     def push_fetch(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
                    buffers: tuple | None = None, pid: PushId | None = None) -> tuple:

@@ -98,30 +98,45 @@ class Replicated(ShardCore):
         self.restore(snapshot["arrays"], snapshot["version"], snapshot["counters"])
 
 
-@ray.remote
+WAITERS = 64  # threads of a shard actor's ``wait`` group: replicas waiting for a version
+
+
+@ray.remote(concurrency_groups={"wait": WAITERS})
 class ParameterShard(Replicated):
     """Ray actor holding one shard: every :class:`ShardCore` method is a remote method, and
-    a primary copies pushes to its standbys (:class:`Replicated`)."""
+    a primary copies pushes to its standbys (:class:`Replicated`).
+
+    Calls run one at a time (the default concurrency group), so the shard's state needs no
+    lock, except :meth:`wait_version`, which runs in the ``wait`` group (threads made on
+    demand) beside them and only reads the version under its condition."""
 
     def __init__(self, shard_id: int, init: np.ndarray, optimizer: str, lr: float,
                  momentum: float = 0.9, restored: dict | None = None, *,
                  args: Mapping[str, object] | None = None, schedule: str | None = None,
                  rows: bool = False, buffers: BufferAverage | None = None,
                  average: AverageSpec | None = None,
-                 control: StalenessControl | None = None) -> None:
+                 control: StalenessControl | None = None, quorum: int | None = None,
+                 end: int | None = None) -> None:
         """Shard ``shard_id`` of ``init`` (float32), updated by ``make_rule(optimizer, lr,
         momentum, args, schedule, rows)`` (``rows``: pushes come as ranges); ``restored``: a
         checkpoint's ``{"arrays", "version", "counters"}`` to start from; ``buffers`` (shard 0
         of a model with buffers), ``average`` (``--average``) and ``control`` (``--staleness-lr``,
-        ``--delay-compensation``) as in :class:`ShardCore`."""
+        ``--delay-compensation``) as in :class:`ShardCore`; ``quorum``: with
+        ``--backup-workers``, the gradients each synchronous update waits for, until version
+        ``end`` (the run's ``--steps``)."""
         rule = make_rule(optimizer, lr, momentum, args, schedule, rows=rows)
         if isinstance(rule, TorchRule):
             one_torch_thread()
         super().__init__(shard_id, init, rule)
         self.standbys = []
         self.keep_extras(buffers, average, control)
+        self.keep_sync(quorum, end)
         if restored is not None:
             self.restore(restored["arrays"], restored["version"], restored.get("counters"))
+
+    @ray.method(concurrency_group="wait")
+    def wait_version(self, version: int, timeout: float) -> int:
+        return super().wait_version(version, timeout)
 
     def stats(self) -> dict:
         return super().stats() | {"node": self.node(), "standbys": len(self.standbys)}

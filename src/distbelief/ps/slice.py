@@ -11,6 +11,7 @@ ShardCore` composes them.
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 
 import numpy as np
@@ -22,6 +23,7 @@ from distbelief.ps.codec import all_finite
 from distbelief.ps.ledger import PushId, PushLedger
 from distbelief.ps.optim import Rule
 from distbelief.ps.staleness import FetchedCopies, StalenessControl
+from distbelief.ps.sync import SyncAggregator
 
 ACCEPTED_DTYPES = (np.float32,)
 
@@ -29,11 +31,13 @@ ACCEPTED_DTYPES = (np.float32,)
 class ShardSlice:
     """State of one shard: parameters (float32, shape ``(n,)``), rule state, version, stats.
 
-    ``version`` counts applied pushes. Staleness of a push is the shard's version when it
-    is applied minus the version the pushing replica last fetched.
+    ``version`` counts applied pushes (with ``--backup-workers``, synchronous updates).
+    Staleness of a push is the shard's version when it is applied minus the version the
+    pushing replica last fetched. Every change of ``version`` wakes :meth:`wait_version`.
     """
 
     def __init__(self, shard_id: int, init: np.ndarray, rule: Rule) -> None:
+        self._moved = threading.Condition()  # notified whenever the version changes
         self.shard_id = shard_id
         self.params = np.array(init, dtype=np.float32, copy=True).reshape(-1)
         self.rule = rule
@@ -49,6 +53,31 @@ class ShardSlice:
         self.control = StalenessControl()  # --staleness-lr, --delay-compensation: off
         self.fetched: FetchedCopies | None = None  # each replica's last fetch (DC-ASGD)
         self.ledger = PushLedger()  # pushes taken, by replica incarnation (ps/ledger.py)
+        self.sync: SyncAggregator | None = None  # --backup-workers: synchronous updates
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        with self._moved:
+            self._version = value
+            self._moved.notify_all()
+
+    def wait_version(self, version: int, timeout: float) -> int:
+        """Block until this shard's version is past ``version``, or ``timeout`` seconds;
+        the version then (a replica of a synchronous run waits here between its push and its
+        next fetch; on the actor this runs beside the pushes, see ``ParameterShard``)."""
+        with self._moved:
+            self._moved.wait_for(lambda: self._version > version, timeout)
+            return self._version
+
+    def keep_sync(self, quorum: int | None, end: int | None = None) -> None:
+        """``--backup-workers``: apply the mean of each ``quorum`` gradients of the current
+        version once, until version ``end`` (:class:`~distbelief.ps.sync.SyncAggregator`);
+        None: asynchronous."""
+        self.sync = None if quorum is None else SyncAggregator(quorum, self.params.size, end)
 
     def keep_extras(self, buffers: BufferAverage | None, average: AverageSpec | None,
                     control: StalenessControl | None = None) -> None:
@@ -66,6 +95,10 @@ class ShardSlice:
         (statistics, count deltas) into the buffers if it is well formed."""
         if self.average is not None:
             self.average.update(self.params)
+        self.fold(report)
+
+    def fold(self, report: object) -> None:
+        """Fold a replica's buffer ``report`` into the buffers if it is well formed."""
         if report is not None and self.buffers is not None and self.buffers.check(report):
             self.buffers.report(*report)
             self.buffer_reports += 1
@@ -133,7 +166,8 @@ class ShardSlice:
         return {"fetches": self.fetches, "rejected": dict(self.rejected),
                 "pushes_by_replica": {str(k): v for k, v in self.pushes_by_replica.items()},
                 "staleness": {str(k): v for k, v in self.staleness.items()},
-                "ledger": self.ledger.to_json(), "buffer_reports": self.buffer_reports}
+                "ledger": self.ledger.to_json(), "buffer_reports": self.buffer_reports,
+                **({} if self.sync is None else {"sync": self.sync.counters()})}
 
     def snapshot(self) -> dict:
         """A copy of everything :meth:`save` writes, as :meth:`restore` takes it (``arrays``,
@@ -169,6 +203,8 @@ class ShardSlice:
                                       counters.get("staleness", {}).items()})
             self.ledger = PushLedger(counters.get("ledger"))
             self.buffer_reports = int(counters.get("buffer_reports", 0))
+            if self.sync is not None:
+                self.sync.restore(counters.get("sync"))
 
     def stats(self) -> dict:
         """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
@@ -185,4 +221,5 @@ class ShardSlice:
             "buffer_reports": self.buffer_reports,
             "fetched_copies_bytes": 0 if self.fetched is None else self.fetched.nbytes(),
             "ledger": self.ledger.to_json(),
+            **({} if self.sync is None else {"sync": self.sync.counters()}),
         }
