@@ -227,7 +227,8 @@ class Trainer:
                        names=[self.actor_name("shard", i) for i in range(self.plan.shards)],
                        incarnation=incarnation, resend=self.cfg.shard_backups > 0,
                        directory=self.actor_name("directory", 0) if self.cfg.shard_backups
-                       else None, sync=self.cfg.quorum is not None)
+                       else None,
+                       sync=None if self.cfg.quorum is None else self.cfg.steps)
 
     def _evaluator(self, test) -> Evaluator:
         """The driver's copy of the model, scoring ``test`` (None: no test set)."""

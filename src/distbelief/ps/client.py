@@ -267,8 +267,7 @@ class PSClient:
         version (``--backup-workers``: a replica's gradient of version v waits for the
         update of v before it fetches); shards are asked together, ``timeout`` seconds per
         call, again until they move. A shard that died is reconnected to (with ``names``)
-        and not waited for: a restarted shard is behind, its version is fetched at once.
-        Returns the number of calls that timed out (0 when every shard moved within one)."""
+        and not waited for (a restarted shard is behind); returns the calls that timed out."""
         waiting = {s: int(v) for s, v in enumerate(versions) if v is not None}
         timeouts = 0
         while waiting:

@@ -35,10 +35,11 @@ class FlatHost:
     reusable host buffers (:class:`DeviceBuffers`). A model with buffers (BatchNorm
     statistics) reports them to shard 0 with each push and loads shard 0's with each fetch
     (:mod:`distbelief.ps.buffers`); without buffers the calls are exactly as before.
-    With ``sync`` (``--backup-workers``, :mod:`distbelief.ps.sync`) a push is waited for and
-    never fused with the fetch, and the next fetch first waits until every shard that took
-    the push has moved past its version (``sync_waits`` counts the wait calls that timed
-    out).
+    With ``sync`` (``--backup-workers``, :mod:`distbelief.ps.sync`: the run's last version,
+    None for asynchronous runs) a push is waited for and never fused with the fetch, and the
+    next fetch first waits until every shard that took the push before that last version
+    has moved past it (a shard at the end takes no more updates: nothing to wait for there;
+    ``sync_waits`` counts the wait calls that timed out).
     """
 
     event_fields: dict = {}
@@ -47,7 +48,7 @@ class FlatHost:
                  names: Sequence[str] | None = None, grad_dtype: str = "float32",
                  fuse: bool = True, device: str = "cpu", staged: bool | None = None,
                  incarnation: int = 0, resend: bool = False,
-                 directory: str | None = None, sync: bool = False) -> None:
+                 directory: str | None = None, sync: int | None = None) -> None:
         self.device = replica_device(device)
         self.flat = FlatModel(model, plan, self.device)
         if staged is None:
@@ -59,7 +60,7 @@ class FlatHost:
         self.client = PSClient(shards, plan, replica=replica, names=names,
                                grad_dtype=grad_dtype, incarnation=incarnation, resend=resend,
                                directory=directory)
-        self.plan, self.fuse, self.replica = plan, fuse and not sync, replica
+        self.plan, self.fuse, self.replica = plan, fuse and sync is None, replica
         self.sync, self.sync_waits = sync, 0
         self._pushed: list[int | None] | None = None  # sync: versions the last push was of
         self.accrued: torch.Tensor | None = None  # created once a step ends without a push
@@ -72,7 +73,8 @@ class FlatHost:
 
     def fetch(self, upcoming: Callable[[], np.ndarray] | None = None) -> dict:
         if self._pushed is not None:  # sync: the update of the version pushed comes first
-            self.sync_waits += self.client.wait_newer(self._pushed)
+            self.sync_waits += self.client.wait_newer(
+                [v if v is not None and v < self.sync else None for v in self._pushed])
             self._pushed = None
         if self._fetched_early:  # the last push brought this step's parameters back
             self._fetched_early = False
@@ -131,7 +133,7 @@ class FlatHost:
             self.client.push_fetch_into(self._host_np(grad), self._params_np, buffers=report)
             self._load_buffers()
             self._fetched_early = True
-        elif self.sync:
+        elif self.sync is not None:
             self._pushed = self.client.push_sync(self._host_np(grad), buffers=report)
         else:
             self.client.push(self._host_np(grad), buffers=report)
