@@ -148,10 +148,10 @@ def test_row_shard_restore_point_is_read_from_the_manifest(tmp_path):
 
 def test_actors_are_placed_round_robin_over_the_sorted_live_nodes():
     nodes = ["b", "a", "c"]
-    assert [node_for(nodes, "replica", i) for i in range(5)] == ["a", "b", "c", "a", "b"]
-    assert node_for(["b", "c"], "replica", 0) == "b"  # node a left: replica 0 moves on
+    assert [node_for(nodes, i) for i in range(5)] == ["a", "b", "c", "a", "b"]
+    assert node_for(["b", "c"], 0) == "b"  # node a left: replica 0 moves on
     # standby k (counted from 1) of shard k - 1 is never on its primary's node
-    assert all(node_for(nodes, "standby", k + 1) != node_for(nodes, "shard", k)
+    assert all(node_for(nodes, k + 1) != node_for(nodes, k)
                for k in range(3))
-    assert node_for(["a"], "replica", 3) is None  # one node: Ray's choice
-    assert node_for([], "replica", 0) is None
+    assert node_for(["a"], 3) is None  # one node: Ray's choice
+    assert node_for([], 0) is None

@@ -247,6 +247,12 @@ class TrainConfig:
         return None if self.backup_workers is None else self.replicas - self.backup_workers
 
     @property
+    def sync_end(self) -> int | None:
+        """With ``--backup-workers``: the shards' version at which the run ends (``steps``
+        synchronous updates); None when updates are asynchronous."""
+        return None if self.backup_workers is None else self.steps
+
+    @property
     def ranged_updates(self) -> bool:
         """Whether the shards apply pushes to gathered rows or ranges (row-sparse tables of
         click data, model-parallel Downpour partitions), which only NumPy rules can."""

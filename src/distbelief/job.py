@@ -38,13 +38,13 @@ class TrainResult:
     run_dir: str | None = None
 
 
-def node_for(nodes: list[str], role: str, index: int) -> str | None:
-    """The node that actor ``index`` of ``role`` is placed on, given the live nodes able to
-    run it (``None`` with fewer than two: the scheduler's choice). Round-robin by index
-    over the sorted nodes, so replicas and shards spread evenly and a restarted actor
-    returns to its node while that node lives; standbys (whose index counts from 1 over the
-    run) start one node along, so standby ``k`` of shard ``k - 1`` is off its primary's
-    node."""
+def node_for(nodes: list[str], index: int) -> str | None:
+    """The node that the actor numbered ``index`` within its role is placed on, given the
+    live nodes able to run it (``None`` with fewer than two: the scheduler's choice).
+    Round-robin by index over the sorted nodes, so replicas and shards spread evenly and a
+    restarted actor returns to its node while that node lives; standbys (whose index counts
+    from 1 over the run) start one node along, so standby ``k`` of shard ``k - 1`` is off
+    its primary's node."""
     if len(nodes) < 2:
         return None
     return sorted(nodes)[index % len(nodes)]
@@ -118,8 +118,7 @@ class Job:
         replica on one node."""
         options = dict(options or {})
         if "scheduling_strategy" not in options:
-            node = node_for(live_nodes("GPU" if options.get("num_gpus") else "CPU"),
-                            role, index)
+            node = node_for(live_nodes("GPU" if options.get("num_gpus") else "CPU"), index)
             options["scheduling_strategy"] = "SPREAD" if node is None else \
                 NodeAffinitySchedulingStrategy(node, soft=True)
         for _ in range(ACTOR_NAME_TRIES):

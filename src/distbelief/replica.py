@@ -64,7 +64,7 @@ class ReplicaLoop:
         self.segment_end: float | None = None  # perf_counter() when the last segment ended
         # a host that can send a fetch early offers prefetch(); others fetch at the step
         self.prefetch = getattr(self.host, "prefetch", None)
-        self.sync_target = cfg.steps if cfg.backup_workers is not None else None
+        self.sync_target = cfg.sync_end
         self.sync_done = False
 
     def where(self) -> str:

@@ -201,7 +201,7 @@ class Trainer:
                              schedule=cfg.lr_schedule, rows=cfg.ranged_updates,
                              buffers=buffers if i == 0 else None, average=average,
                              control=control if control.active else None,
-                             quorum=cfg.quorum, end=cfg.steps)
+                             quorum=cfg.quorum, end=cfg.sync_end)
 
         def read(run_dir: Path, number: int, i: int) -> dict:
             return load_shard(run_dir, number, i, plan, self._state_names(),
@@ -228,7 +228,7 @@ class Trainer:
                        incarnation=incarnation, resend=self.cfg.shard_backups > 0,
                        directory=self.actor_name("directory", 0) if self.cfg.shard_backups
                        else None,
-                       sync=None if self.cfg.quorum is None else self.cfg.steps)
+                       sync=self.cfg.sync_end)
 
     def _evaluator(self, test) -> Evaluator:
         """The driver's copy of the model, scoring ``test`` (None: no test set)."""

@@ -166,7 +166,7 @@ class FlatHost:
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected,
                 "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
                 "retried": c.retried, "incarnation": c.incarnation, "resent": c.resent,
-                **({"sync_waits": self.sync_waits} if self.sync else {}),
+                **({"sync_waits": self.sync_waits} if self.sync is not None else {}),
                 **self._device_field()}
 
     def _device_field(self) -> dict:
