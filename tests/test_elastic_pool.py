@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from distbelief.elastic import REQUEST, RUNNING, ScaleRequests, request_scale
@@ -71,6 +71,8 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "remove", "step", "fail"]),
 @settings(max_examples=150, deadline=None)
 @given(slots=st.integers(1, 4), steps=st.integers(1, 40), seg=st.integers(1, 12),
        warm=st.integers(0, 15), script=ops)
+@example(slots=1, steps=3, seg=1, warm=2,  # a warm-start range left behind a later one
+         script=[("add", 0), ("step", 0), ("remove", 0), ("step", 0)])
 def test_every_step_runs_exactly_once_whatever_workers_come_and_go(slots, steps, seg, warm,
                                                                    script):
     warm = min(warm, steps)

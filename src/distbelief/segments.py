@@ -125,12 +125,17 @@ class WorkPool:
     def _warm_segment(self, w: int, queue: list[Range]) -> Range | None:
         if any(s == 0 and a < self.warmstart_steps for s, a, _ in self.running.values()):
             return None  # one warm-start segment at a time
-        for i, r in enumerate(self.free):
-            if r[0] == 0 and r[1] < self.warmstart_steps:
-                queue.insert(0, self.free.pop(i))
-                break
-        if not queue or queue[0][0] != 0 or queue[0][1] >= self.warmstart_steps:
+        def warm(r: Range) -> bool:
+            return r[0] == 0 and r[1] < self.warmstart_steps
+
+        if not any(map(warm, queue)):  # take the earliest free warm-start range
+            mine = [i for i, r in enumerate(self.free) if warm(r)]
+            if mine:
+                queue.append(self.free.pop(min(mine, key=lambda i: self.free[i][1])))
+        ours = [i for i, r in enumerate(queue) if warm(r)]
+        if not ours:
             return None
+        queue.insert(0, queue.pop(min(ours, key=lambda i: queue[i][1])))  # earliest first
         return self._cut(w, queue, min(queue[0][2], self.warmstart_steps))
 
     def _cut(self, w: int, queue: list[Range], bound: int) -> Range:
