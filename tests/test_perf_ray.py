@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from distbelief import DownpourSGD, data, models
+from distbelief import DownpourSGD, data, evaluation, models
 from distbelief.ps.client import INLINE_BYTES
 from distbelief.ps.host import FlatHost
 from distbelief.ps.plan import ShardPlan
@@ -44,12 +44,17 @@ def test_a_large_push_fuses_with_the_next_fetch_and_an_early_fetch_sees_the_last
         ray.kill(s)
 
 
-def test_the_evaluator_actor_scores_a_sample_during_training_and_all_at_the_end():
+@pytest.mark.parametrize("inline_below, where", [(0.0, "actor"), (float("inf"), "driver")])
+def test_periodic_evaluations_score_a_sample_during_training_and_all_at_the_end(
+        monkeypatch, inline_below, where):
+    monkeypatch.setattr(evaluation, "INLINE_EVAL_S", inline_below)  # the probe's threshold
     ds = data.digits()
     trainer = DownpourSGD(models.mlp(ds.features, 16, ds.classes, 0), replicas=2, shards=2,
                           steps=150, batch_size=16, lr=0.05, eval_every_s=0.05,
                           eval_budget=1.0, eval_rows=50, seed=0)
     result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+    [placement] = [e for e in result.events if e["event"] == "placement"]
+    assert placement["evaluator"] == where
     evals = [e for e in result.events if e["event"] == "eval"]
     *periodic, whole = evals  # the final evaluation also logs an eval event, of all rows
     assert "subset" not in whole

@@ -191,6 +191,16 @@ def test_simulated_lockstep_spreads_staleness_over_0_to_r_minus_1():
     assert set(per_shard) <= {0, 1, 2, 3} and per_shard[0] == 12  # one fresh push a round
 
 
+def test_simulated_synchronous_sgd_applies_one_mean_per_version_and_drops_the_backups():
+    every = sim(4, backup_workers=0)  # 12 synchronous updates, each of all 4 gradients
+    assert every.updates == 48 and every.staleness == {0: 96}  # none late, 2 shards
+    backups = sim(4, backup_workers=1)  # each version takes the first 3 and drops the 4th
+    fresh, late = backups.staleness[0] // 2, sum(v for k, v in backups.staleness.items() if k)
+    assert fresh == 12 * 3 and late > 0
+    assert backups.updates == fresh + late // 2  # every push either made a quorum or was late
+    assert sim(4, backup_workers=1) == backups
+
+
 @pytest.mark.usefixtures("ray_local")
 def test_shard_remedies_run_end_to_end_and_keep_one_fetch_per_replica():
     ds = data.digits()

@@ -9,7 +9,11 @@ on what it fetched, and pushes it one step time later; step times are ``1 +- jit
 (seeded), so with equal speeds the other ``R - 1`` replicas push in between and a push is
 about ``R - 1`` updates stale, as on a real cluster. ``max_staleness`` K holds a replica
 that finished step s until every replica has done ``s + 1 - K`` steps (SSP), as the driver's
-:class:`~distbelief.segments.WorkPool` does. Time is counted in step times.
+:class:`~distbelief.segments.WorkPool` does. ``backup_workers`` B runs synchronous SGD with
+backup workers instead (``--backup-workers``, :class:`~distbelief.ps.sync.SyncAggregator` on
+the real shard logic): ``steps`` is then the run's synchronous updates; a replica that pushed
+the gradient of version v starts again once every shard is past v (the B slowest of each
+version are dropped and start at once on the new version). Time is counted in step times.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class SimConfig:
     staleness_lr: bool = False
     delay_compensation: float = 0.0
     average: str | None = None
+    backup_workers: int | None = None
     jitter: float = 0.1
     eval_every: int = 30
 
@@ -84,6 +89,8 @@ def simulate(model: nn.Module, loss_fn: nn.Module, x_train: np.ndarray, y_train:
     for s in range(cfg.shards):
         core = ShardCore(s, flat0[bounds[s]:bounds[s + 1]], make_rule(cfg.optimizer, cfg.lr))
         core.keep_extras(None, average, control if control.active else None)
+        if cfg.backup_workers is not None:
+            core.keep_sync(cfg.replicas - cfg.backup_workers, cfg.steps)
         shards.append(core)
     batches = [replica_batches(x_train, y_train, i, cfg.replicas, cfg.batch_size, cfg.seed)
                for i in range(cfg.replicas)]
@@ -92,6 +99,7 @@ def simulate(model: nn.Module, loss_fn: nn.Module, x_train: np.ndarray, y_train:
     flat = np.empty_like(flat0)
     done = [0] * cfg.replicas
     held: dict[int, tuple[np.ndarray, list[int]]] = {}  # replica -> gradient, versions
+    pushed: dict[int, list[int]] = {}  # sync: the versions each replica last pushed to
 
     def start(i: int, now: float) -> tuple[float, int, int]:
         """Replica ``i`` fetches and computes step ``done[i]``'s gradient at ``now``."""
@@ -115,6 +123,9 @@ def simulate(model: nn.Module, loss_fn: nn.Module, x_train: np.ndarray, y_train:
         return out
 
     def may_start(i: int) -> bool:
+        if cfg.backup_workers is not None:  # past the version it pushed, before the end
+            at = [core.version for core in shards]
+            return min(at) < cfg.steps and all(v > p for v, p in zip(at, pushed.get(i, at)))
         k = cfg.max_staleness
         return done[i] < cfg.steps and (k is None or min(done) >= done[i] - k)
 
@@ -127,6 +138,7 @@ def simulate(model: nn.Module, loss_fn: nn.Module, x_train: np.ndarray, y_train:
         grad, versions = held.pop(i)
         for s, core in enumerate(shards):
             core.push(grad[bounds[s]:bounds[s + 1]], versions[s], i)
+        pushed[i] = versions
         done[i] += 1
         updates += 1
         if updates % cfg.eval_every == 0:
@@ -136,7 +148,8 @@ def simulate(model: nn.Module, loss_fn: nn.Module, x_train: np.ndarray, y_train:
                 waiting.remove(j)
             if may_start(j):
                 heapq.heappush(events, start(j, now))
-            elif done[j] < cfg.steps:
+            elif (min(core.version for core in shards) < cfg.steps
+                  if cfg.backup_workers is not None else done[j] < cfg.steps):
                 waiting.append(j)
     final = _accuracy(model, current(), xt, yt)
     staleness: dict[int, int] = {}

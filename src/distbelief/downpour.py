@@ -140,7 +140,7 @@ class DownpourSGD(Trainer):
         evals.ready()  # the evaluator's process is up before training starts (as replicas)
         first = shards.retry(shards.stats)
         job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where(),
-                versions=[s["version"] for s in first])
+                versions=[s["version"] for s in first], evaluator=evals.where())
         job.progress(cfg.replicas * cfg.steps)
         pool = (WorkPool.resumed(cfg.replicas, budget, self.resumed_work[0],
                                  self.resumed_work[1], SEGMENT_STEPS, cfg.warmstart_steps,

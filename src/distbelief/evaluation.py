@@ -10,6 +10,14 @@ cores, :func:`job_cores`), never before the last one finished and never sooner t
 ``min_period_s`` after it started. CPU time, not wall time: an evaluator that shares the
 cores with busy replicas waits for them, and its wall time says more about them than
 about what it costs them.
+
+Where: an evaluation is only worth its own process when it costs something. Before the run
+starts, :func:`probe_cost` times the model's forward pass on a few test rows in the driver
+and scales it to the sample; below :data:`INLINE_EVAL_S` (the 5,000-parameter MLPs on
+digits: well under a millisecond) the periodic evaluations run in the driver, on the same
+budget, and no evaluator process is started (one process whose start-up, about a second and
+a half of CPU to import torch, costs a short run more than all its evaluations); above it
+(the CNN on MNIST: about 0.17 s; the 17M MLP: seconds) they run in the evaluator actor.
 """
 
 from __future__ import annotations
@@ -55,6 +63,37 @@ class EvalBudget:
                       started + self.min_period_s)
 
 
+INLINE_EVAL_S = 0.01  # an evaluation estimated below this (CPU seconds) runs in the driver
+PROBE_ROWS = 32
+
+
+def probe_cost(evaluator, rows: int) -> float:
+    """Estimated CPU seconds of one forward pass of ``evaluator``'s model over ``rows`` test
+    rows: the fastest of three passes over :data:`PROBE_ROWS` of them (the first pays
+    one-time costs), scaled. The driver's own thread's CPU time, so actors starting beside it
+    do not inflate it."""
+    probe = evaluator.sampled(np.arange(min(PROBE_ROWS, rows)))
+    best = float("inf")
+    for _ in range(3):
+        began = time.thread_time()
+        probe.score(None)
+        best = min(best, time.thread_time() - began)
+    return best * rows / max(1, min(PROBE_ROWS, rows))
+
+
+def score_now(evaluator, handles: list) -> dict:
+    """Fetch from the shards with actor ``handles`` into ``evaluator`` and score it: the
+    scores, the shard versions, when the fetch began (``t``, seconds since the epoch), the
+    evaluation's wall time (``duration_s``) and CPU time of the calling thread (``cpu_s``).
+    A dead shard raises ``RayActorError``."""
+    began, cpu, t = time.perf_counter(), time.thread_time(), time.time()
+    averaged = evaluator.average is not None
+    versions = evaluator.load(handles, averaged)
+    scores = {**evaluator.score(None), **evaluator.evaluated_field(averaged)}
+    return {"t": t, "versions": versions, "scores": scores,
+            "duration_s": time.perf_counter() - began, "cpu_s": time.thread_time() - cpu}
+
+
 def sample_rows(n: int, k: int, seed: int) -> np.ndarray:
     """A fixed seeded sample of ``min(n, k)`` of ``n`` test rows, in ascending order."""
     if k >= n:
@@ -71,16 +110,10 @@ class EvalWorker:
         self.evaluator = evaluator
 
     def evaluate(self, shards: list) -> dict:
-        """Fetch from ``shards`` (the shards' current handles) and score; the scores, the
-        shard versions, when the fetch began (``t``, seconds since the epoch) and how long
-        the whole evaluation took (``duration_s``). A dead shard raises ``RayActorError``."""
-        ev, began, cpu = self.evaluator, time.perf_counter(), time.process_time()
-        t = time.time()
-        averaged = ev.average is not None
-        versions = ev.load(shards, averaged)
-        scores = ev.score(None)
-        return {"t": t, "versions": versions, "scores": {**scores, **ev.evaluated_field(averaged)},
-                "duration_s": time.perf_counter() - began, "cpu_s": time.process_time() - cpu}
+        """:func:`score_now` against ``shards`` (the shards' current handles), its CPU time
+        the whole process's (the actor does nothing else)."""
+        cpu = time.process_time()
+        return score_now(self.evaluator, shards) | {"cpu_s": time.process_time() - cpu}
 
 
 EvalActor = ray.remote(EvalWorker)  # the evaluator actor; its methods are remote methods
@@ -88,9 +121,11 @@ EvalActor = ray.remote(EvalWorker)  # the evaluator actor; its methods are remot
 
 class Evaluations:
     """The driver's side of periodic evaluations: submit one to the evaluator actor when
-    :class:`EvalBudget` allows, collect its reply as an ``eval`` event. An evaluator that
-    cannot run in an actor (``evaluator.in_actor`` false: sparse models) is called in the
-    driver instead, every ``eval_every_s`` as before.
+    :class:`EvalBudget` allows, collect its reply as an ``eval`` event. A cheap evaluation
+    (:func:`probe_cost` below :data:`INLINE_EVAL_S`) runs in the driver on the same budget
+    and sample, with no evaluator actor (:attr:`inline`); one that cannot run in an actor
+    (``evaluator.in_actor`` false: sparse models) is called in the driver every
+    ``eval_every_s`` as before.
 
     ``job`` is the run's :class:`~distbelief.job.Job`, ``shards`` its
     :class:`~distbelief.ps.group.ShardSet`, ``evaluator`` the driver's
@@ -106,14 +141,22 @@ class Evaluations:
         self.ref: ray.ObjectRef | None = None
         self.started = 0.0
         self.actor = None
+        self.inline = None  # the driver's evaluator of the sample, when it evaluates inline
         if evaluator.in_actor:
             n_test = evaluator.test_rows()
             self.rows = sample_rows(n_test, cfg.eval_rows, cfg.seed)
             self.fields = {"subset": len(self.rows)} if len(self.rows) < n_test else {}
-            self._start_actor()
+            if n_test and probe_cost(evaluator, len(self.rows)) < INLINE_EVAL_S:
+                self.inline = evaluator.sampled(self.rows)
+            else:
+                self._start_actor()
 
     def _start_actor(self) -> None:
         self.actor = EvalActor.options(num_cpus=0).remote(self.evaluator.sampled(self.rows))
+
+    def where(self) -> str:
+        """Where periodic evaluations run: ``actor`` or ``driver``."""
+        return "actor" if self.actor is not None else "driver"
 
     def ready(self) -> None:
         """Wait until the evaluator actor's process is up (its start-up, seconds on busy
@@ -125,6 +168,10 @@ class Evaluations:
         """Start an evaluation if none is running and the budget allows one now."""
         now = time.time()
         if self.ref is not None or not self.budget.due(now):
+            return
+        if self.inline is not None:  # cheap: in the driver, on the budget
+            reply = self.shards.retry(lambda: score_now(self.inline, self.shards.handles()))
+            self._log(reply, reply["t"])
             return
         if self.actor is None:  # in the driver; also notices a dead shard and revives it
             self.shards.retry(lambda: self.evaluator.evaluate(self.job, self.shards))
@@ -158,12 +205,17 @@ class Evaluations:
             self.shards.retry(self.shards.stats)
             self.budget.done(self.started, 0.0)
             return True
+        self._log(reply, self.started)
+        return True
+
+    def _log(self, reply: dict, started: float) -> None:
+        """Log a :func:`score_now` reply as an ``eval`` event; the next one is due as the
+        budget says for one ``started`` then."""
         t, versions, scores = reply["t"], reply["versions"], reply["scores"]
         self.job.log("eval", t=t, updates=sum(versions), versions=versions,
                      elapsed_s=t - self.job.began, **self.fields, **scores)
         self.job.evaluated(scores)
-        self.budget.done(self.started, reply["duration_s"], reply["cpu_s"])
-        return True
+        self.budget.done(started, reply["duration_s"], reply["cpu_s"])
 
     def stop(self, collect: bool = False) -> None:
         """End the evaluator actor; with ``collect`` first wait for the running evaluation
