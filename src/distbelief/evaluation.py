@@ -69,16 +69,16 @@ PROBE_ROWS = 32
 
 def probe_cost(evaluator, rows: int) -> float:
     """Estimated CPU seconds of one forward pass of ``evaluator``'s model over ``rows`` test
-    rows: the fastest of three passes over :data:`PROBE_ROWS` of them (the first pays
+    rows: the fastest of three passes over its first :data:`PROBE_ROWS` (the first pays
     one-time costs), scaled. The driver's own thread's CPU time, so actors starting beside it
-    do not inflate it."""
-    probe = evaluator.sampled(np.arange(min(PROBE_ROWS, rows)))
+    do not inflate it. Scoring changes no state (``eval()`` mode, ``no_grad``)."""
+    probed = min(PROBE_ROWS, rows)
     best = float("inf")
     for _ in range(3):
         began = time.thread_time()
-        probe.score(None)
+        evaluator.score(None, probed)
         best = min(best, time.thread_time() - began)
-    return best * rows / max(1, min(PROBE_ROWS, rows))
+    return best * rows / max(1, probed)
 
 
 def score_now(evaluator, handles: list) -> dict:

@@ -87,10 +87,14 @@ class WorkPool:
         return ([r for q in self.queues.values() for r in q] + self.free
                 + list(self.running.values()))
 
+    def _warm(self, r: Range) -> bool:
+        """Whether range ``r`` holds warm-start steps (slot 0, below ``warmstart_steps``)."""
+        return r[0] == 0 and r[1] < self.warmstart_steps
+
     @property
     def warm(self) -> bool:
         """Whether slot 0 still has steps below ``warmstart_steps`` to run."""
-        return any(s == 0 and a < self.warmstart_steps for s, a, _ in self._unrun())
+        return any(map(self._warm, self._unrun()))
 
     def left(self) -> int:
         """Steps not run yet (running ones included)."""
@@ -123,16 +127,13 @@ class WorkPool:
         return self._cut(w, queue, min(queue[0][2], queue[0][1] + cap))
 
     def _warm_segment(self, w: int, queue: list[Range]) -> Range | None:
-        if any(s == 0 and a < self.warmstart_steps for s, a, _ in self.running.values()):
+        if any(map(self._warm, self.running.values())):
             return None  # one warm-start segment at a time
-        def warm(r: Range) -> bool:
-            return r[0] == 0 and r[1] < self.warmstart_steps
-
-        if not any(map(warm, queue)):  # take the earliest free warm-start range
-            mine = [i for i, r in enumerate(self.free) if warm(r)]
-            if mine:
-                queue.append(self.free.pop(min(mine, key=lambda i: self.free[i][1])))
-        ours = [i for i, r in enumerate(queue) if warm(r)]
+        if not any(map(self._warm, queue)):  # take the earliest free one (free is sorted)
+            first = next((i for i, r in enumerate(self.free) if self._warm(r)), None)
+            if first is not None:
+                queue.append(self.free.pop(first))
+        ours = [i for i, r in enumerate(queue) if self._warm(r)]
         if not ours:
             return None
         queue.insert(0, queue.pop(min(ours, key=lambda i: queue[i][1])))  # earliest first
