@@ -115,7 +115,9 @@ class DownpourSGD(Trainer):
         shipped = (ray.put(x), ray.put(y)) if y is not None else (x, None)
         start = self.replica_starter(shards, blueprint, *shipped)
         steps = {i: self.resumed_steps.get(i, 0) for i in range(self.cfg.replicas)}
-        incarnation = next_incarnation(shards.retry(shards.stats))  # new after a resume
+        # past every incarnation the restored shards' ledgers saw; a new run's ledgers are
+        # empty, so its replicas start at once, their processes beside the shards'
+        incarnation = (next_incarnation(shards.retry(shards.stats)) if self.restored else 1)
         replicas = Replicas(self.job, start, steps, MAX_RESTARTS, incarnation)
         res = (Resources.from_ray(ray.cluster_resources()) if self.cfg.address is not None
                else Resources.local())

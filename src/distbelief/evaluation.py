@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import ray
@@ -71,14 +73,29 @@ def probe_cost(evaluator, rows: int) -> float:
     """Estimated CPU seconds of one forward pass of ``evaluator``'s model over ``rows`` test
     rows: the fastest of three passes over its first :data:`PROBE_ROWS` (the first pays
     one-time costs), scaled. The driver's own thread's CPU time, so actors starting beside it
-    do not inflate it. Scoring changes no state (``eval()`` mode, ``no_grad``)."""
+    do not inflate it, on one intra-op thread (with more, the calling thread spins at the
+    pool's barrier while busy cores hold its helpers: measured 2 ms -> 117 ms for the digits
+    MLP while a run's actors started). Scoring changes no state (``eval()`` mode,
+    ``no_grad``); the thread count is restored."""
     probed = min(PROBE_ROWS, rows)
     best = float("inf")
-    for _ in range(3):
-        began = time.thread_time()
-        evaluator.score(None, probed)
-        best = min(best, time.thread_time() - began)
+    with one_thread():
+        for _ in range(3):
+            began = time.thread_time()
+            evaluator.score(None, probed)
+            best = min(best, time.thread_time() - began)
     return best * rows / max(1, probed)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread in this block (the count is restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def score_now(evaluator, handles: list) -> dict:
@@ -169,8 +186,11 @@ class Evaluations:
         now = time.time()
         if self.ref is not None or not self.budget.due(now):
             return
-        if self.inline is not None:  # cheap: in the driver, on the budget
-            reply = self.shards.retry(lambda: score_now(self.inline, self.shards.handles()))
+        if self.inline is not None:  # cheap: in the driver, on the budget; on one thread,
+            # since more would spin on the cores the replicas are using
+            with one_thread():
+                reply = self.shards.retry(lambda: score_now(self.inline,
+                                                            self.shards.handles()))
             self._log(reply, reply["t"])
             return
         if self.actor is None:  # in the driver; also notices a dead shard and revives it
