@@ -12,7 +12,7 @@ from torch import nn
 from distbelief import replica as replica_module
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
-from distbelief.evaluation import EvalBudget, job_cores, sample_rows
+from distbelief.evaluation import EvalBudget, job_cores, probe_cost, sample_rows
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.ps.plan import ShardPlan
 from distbelief.replica import ReplicaLoop
@@ -199,3 +199,23 @@ def test_a_pickled_flat_model_keeps_its_numpy_view_on_the_parameters():
     assert flat.flat_np.flags.writeable
     flat.flat_np[:] = 7.0
     assert all(bool((p == 7.0).all()) for p in flat.model.parameters())
+
+
+def test_probe_cost_times_one_thread_and_restores_the_thread_count():
+    """The probe scores 32 rows three times with torch on one thread (more spin on busy
+    cores and inflate the driver thread's CPU time); the thread count is restored."""
+    seen = []
+
+    class Probed:
+        def score(self, shards, limit):
+            seen.append((shards, limit, torch.get_num_threads()))
+            return {}
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        probe_cost(Probed(), 320)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(None, 32, 1)] * 3
