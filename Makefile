@@ -17,7 +17,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -11,32 +11,42 @@ from distbelief.ps.shard import ParameterShard
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
+N = INLINE_BYTES // 2  # each shard's slice is above or below the inline limit
+PLAN = ShardPlan.build([("a", (N // 3,)), ("b", (N - N // 3,))], 2)
+
+
+@pytest.fixture(scope="module")
+def sgd_shards():
+    """Two SGD shards (lr 1) for the in-flight tests, put back to zeros at version 0 by each."""
+    shards = [ParameterShard.remote(i, np.zeros(PLAN.shard_size(i), np.float32), "sgd", 1.0)
+              for i in range(2)]
+    yield shards
+    for s in shards:
+        ray.kill(s)
+
+
 @pytest.mark.parametrize("grad_dtype,max_in_flight", [("float32", 1), ("float32", 3),
                                                       ("bfloat16", 2), ("float16", 2)])
-def test_pushes_in_flight_are_all_applied_in_order(grad_dtype, max_in_flight):
-    n = INLINE_BYTES // 2  # each shard's slice is above or below the inline limit
-    plan = ShardPlan.build([("a", (n // 3,)), ("b", (n - n // 3,))], 2)
-    shards = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32), "sgd", 1.0)
-              for i in range(2)]
-    try:
-        client = PSClient(shards, plan, replica=0, grad_dtype=grad_dtype,
-                          max_in_flight=max_in_flight)
-        grad = np.empty(n, np.float32)
-        for k in range(5):
-            grad.fill(k + 1.0)  # overwritten at once: the push must have copied it
-            client.push(grad)
-        assert len(client._in_flight) <= max_in_flight
-        client.wait()
-        flat = np.empty(n, np.float32)
-        assert client.fetch_into(flat) == [5, 5]
-        np.testing.assert_array_equal(flat, -15.0)
-        assert client.rejected == 0 and client.pushes == 5
-        client.push(np.full(n, np.nan, np.float32))
-        client.wait()
-        assert client.rejected == 2
-    finally:
-        for s in shards:
-            ray.kill(s)
+def test_pushes_in_flight_are_all_applied_in_order(sgd_shards, grad_dtype, max_in_flight):
+    shards = sgd_shards
+    ray.get([s.load.remote({"arrays": {"params": np.zeros(PLAN.shard_size(i), np.float32)},
+                            "version": 0, "counters": {"fetches": 0}})  # all reset
+             for i, s in enumerate(shards)])
+    client = PSClient(shards, PLAN, replica=0, grad_dtype=grad_dtype,
+                      max_in_flight=max_in_flight)
+    grad = np.empty(N, np.float32)
+    for k in range(5):
+        grad.fill(k + 1.0)  # overwritten at once: the push must have copied it
+        client.push(grad)
+    assert len(client._in_flight) <= max_in_flight
+    client.wait()
+    flat = np.empty(N, np.float32)
+    assert client.fetch_into(flat) == [5, 5]
+    np.testing.assert_array_equal(flat, -15.0)
+    assert client.rejected == 0 and client.pushes == 5
+    client.push(np.full(N, np.nan, np.float32))
+    client.wait()
+    assert client.rejected == 2
 
 
 def test_downpour_trains_with_bfloat16_gradients():
