@@ -140,8 +140,7 @@ def plot(rows: list[dict], out: str) -> None:
     ax.set_xlabel("replicas (equal total samples)")
     ax.set_ylabel("final test accuracy (mean, 95% interval)")
     ax.set_title(f"{rows[0]['dataset']}, {rows[0]['optimizer']}, 2 shards: staleness remedies "
-                 "(lr tuned per "
-                 "method and R)")
+                 "(lr tuned per method and R)")
     ax.legend(fontsize=7)
     save_figure(fig, f"{out}/staleness.png")
 
