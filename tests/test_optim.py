@@ -377,3 +377,46 @@ def test_scheduled_rule_needs_the_update_count():
         with pytest.raises(TypeError, match="update count"):
             rule.apply(np.zeros(3, np.float32), np.ones(3, np.float32), rule.init_state(3))
     assert make_rule("adam", 0.1, schedule="warmup:4").lr_at(1) == pytest.approx(0.05)
+
+
+LEAN_SCRIPT = """
+import hashlib, sys
+import numpy as np
+from distbelief.ps import torchrule
+if sys.argv[1] == "lean":
+    torchrule.without_compiler()
+digest = hashlib.sha256()
+for name, cls in sorted(torchrule.optimizer_classes().items()):
+    rule = torchrule.TorchRule(cls, 0.01)
+    p, state = np.linspace(-1, 1, 50, dtype=np.float32), rule.init_state(50)
+    for k in range(3):
+        rule.apply(p, np.full(50, k - 1.0, np.float32), state)
+    opt = rule._binding.opt
+    opt.load_state_dict(opt.state_dict())
+    opt.zero_grad()
+    digest.update(p.tobytes() + b"".join(state[n].tobytes() for n in rule.state_names))
+print(digest.hexdigest(), type(sys.modules.get("torch._dynamo")).__name__)
+import torch
+torch._dynamo.disable(print)  # anything but graph_break imports the real compiler
+print(type(sys.modules["torch._dynamo"]).__name__, torch._dynamo.reset.__module__)
+"""
+
+
+def test_without_the_compiler_every_torch_rule_steps_the_same_and_it_loads_on_demand():
+    """A shard process runs torch.optim without importing torch._dynamo (1.1 s of CPU at
+    each shard start): every element-wise rule gives bit-identical steps, state_dict and
+    load_state_dict round trips as with it; asking for anything else loads the real one.
+    Run in fresh processes: the switch is for the whole process."""
+    import subprocess
+    import sys
+
+    def run(mode):
+        proc = subprocess.run([sys.executable, "-c", LEAN_SCRIPT, mode], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
+    lean, full = run("lean"), run("full")
+    assert lean[0] == full[0]  # same parameters and state, bit for bit, for every rule
+    assert lean[1] == "_CompilerOnDemand" and full[1] == "module"
+    assert lean[2:] == full[2:] and lean[2] == "module"  # the real module, on demand

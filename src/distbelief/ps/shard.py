@@ -21,7 +21,7 @@ from distbelief.ps.ledger import PushId
 from distbelief.ps.optim import make_rule
 from distbelief.ps.pushfetch import PushFetch
 from distbelief.ps.staleness import StalenessControl
-from distbelief.ps.torchrule import TorchRule, one_torch_thread
+from distbelief.ps.torchrule import TorchRule, one_torch_thread, without_compiler
 from distbelief.ps.vectors import VectorStore
 
 
@@ -124,6 +124,7 @@ class ParameterShard(Replicated):
         ``--delay-compensation``) as in :class:`ShardCore`; ``quorum``: with
         ``--backup-workers``, the gradients each synchronous update waits for, until version
         ``end`` (the run's ``--steps``)."""
+        without_compiler()  # before the rule's first torch.optim call
         rule = make_rule(optimizer, lr, momentum, args, schedule, rows=rows)
         if isinstance(rule, TorchRule):
             one_torch_thread()

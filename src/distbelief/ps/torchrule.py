@@ -17,7 +17,10 @@ the whole tensor): LBFGS, SparseAdam, Adafactor and Muon are refused.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import sys
+import types
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
@@ -53,6 +56,46 @@ def one_torch_thread() -> None:
     Ray (``OMP_NUM_THREADS``) or someone else already did."""
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+def without_compiler() -> None:
+    """Let torch.optim run in this process without importing ``torch._dynamo``, torch's
+    compiler, which costs a shard about 1.1 s of CPU at start (half its start-up, every
+    start and restart) and is never used by one. Two things import it: the
+    ``torch._disable_dynamo`` wrappers on ``Optimizer``'s methods (``add_param_group``,
+    ``state_dict`` ...), which here call the method itself (what they do when nothing
+    compiles), and every ``step``, which imports it for ``graph_break()`` (an empty function
+    outside compilation). For that one, ``torch._dynamo`` is :class:`_CompilerOnDemand`
+    until anything else is asked of it, which imports the real module then.
+
+    Only for processes of ours that never compile (shard actors; not the driver, which runs
+    the user's code). A no-op where ``torch._dynamo`` is already loaded."""
+    if "torch._dynamo" in sys.modules:
+        return
+    marker = torch._disable_dynamo(lambda: None).__code__  # torch's lazy wrapper's code
+    for klass in {torch.optim.Optimizer, *optimizer_classes().values()}:
+        for attr in vars(klass).values():
+            original = getattr(attr, "__wrapped__", None)
+            if getattr(attr, "__code__", None) is marker and original is not None:
+                setattr(original, "__dynamo_disable", original)  # the wrapper's cache slot
+    sys.modules["torch._dynamo"] = torch._dynamo = _CompilerOnDemand("torch._dynamo")
+
+
+class _CompilerOnDemand(types.ModuleType):
+    """Stands in for ``torch._dynamo`` (see :func:`without_compiler`): ``graph_break`` is a
+    no-op, as the real one is outside compilation; any other name imports the real module
+    in its place and comes from it."""
+
+    @staticmethod
+    def graph_break(msg: str = "") -> None:
+        return None
+
+    def __getattr__(self, name: str):
+        if sys.modules.get("torch._dynamo") is self:
+            del sys.modules["torch._dynamo"]
+            del torch._dynamo
+            importlib.import_module("torch._dynamo")
+        return getattr(sys.modules["torch._dynamo"], name)
 
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
