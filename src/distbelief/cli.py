@@ -143,6 +143,10 @@ def train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `distbelief` program: its process is ours (see without_compiler)
+        from distbelief.ps.torchrule import without_compiler
+
+        without_compiler()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         print(f"distbelief: error: {BENCH_GONE}", file=sys.stderr)
