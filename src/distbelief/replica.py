@@ -60,7 +60,10 @@ class ReplicaLoop:
         self.ahead: deque[tuple[np.ndarray, np.ndarray]] = deque()  # drawn by _upcoming
         self.step = start_step
         self.since_push = 0
+        # --slow-replica: each step takes `slow` times as long, but for this actor's first,
+        # whose time is start-up (partition actors coming up, the first fetch)
         self.slow = float(cfg.slow_replicas.get(index, 1.0))
+        self.first_step = start_step
         self.segment_end: float | None = None  # perf_counter() when the last segment ended
         # a host that can send a fetch early offers prefetch(); others fetch at the step
         self.prefetch = getattr(self.host, "prefetch", None)
@@ -112,7 +115,7 @@ class ReplicaLoop:
             if pushed and self.prefetch is not None and self._no_push_before_fetch():
                 self.prefetch()
             push_wait = time.perf_counter() - computed
-            if self.slow > 1.0:
+            if self.slow > 1.0 and self.step > self.first_step:  # the first is start-up
                 time.sleep((self.slow - 1.0) * (time.perf_counter() - began))
             events.append({"t": time.time(), "replica": self.index, "step": self.step,
                            "loss": loss, "versions": self.host.versions(),
