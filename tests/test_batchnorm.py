@@ -71,7 +71,7 @@ def test_one_replica_batchnorm_equals_single_process_training(digits):
 
 def test_ema_is_evaluated_returned_checkpointed_and_resumed(digits, tmp_path):
     run = tmp_path / "run"
-    cfg = dict(replicas=2, shards=2, optimizer="adagrad", lr=0.05, steps=60, seed=1,
+    cfg = dict(replicas=1, shards=2, optimizer="adagrad", lr=0.05, steps=60, seed=1,
                average="ema:0.9", run_dir=run, num_cpus=4)
     model = bn_model(digits, 1)
     result = DownpourSGD(model, **cfg).fit(digits.x_train, digits.y_train,

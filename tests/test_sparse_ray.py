@@ -170,8 +170,9 @@ def test_bad_ctr_npz_is_one_line_exit_2(tmp_path, capsys):
 
 
 def ctr_trainer(data, run_dir=None, steps=40, resume=None, every=0.0):
+    """One replica (the row shards' checkpoints are the point), two row shards."""
     model = WideAndDeep(data.rows, data.fields, hidden=8, seed=1)
-    return SparseDownpourSGD(model, replicas=2, shards=2, batch_size=256, steps=steps, lr=0.1,
+    return SparseDownpourSGD(model, replicas=1, shards=2, batch_size=256, steps=steps, lr=0.1,
                              seed=3, run_dir=run_dir, resume=resume, checkpoint_every_s=every)
 
 
@@ -201,7 +202,7 @@ def test_resume_restores_every_row_its_rule_state_and_version(ray_local, clicks,
     # more steps continue from there: each row shard's version goes on from the checkpoint's
     more = fit(ctr_trainer(clicks, run, steps=60, resume=run), clicks)
     for (v_more, _), (v_first, _) in zip(row_state(more), row_state(first)):
-        assert v_more == v_first + 2 * 20  # 2 replicas x 20 more steps, one push each
+        assert v_more == v_first + 20  # 20 more steps, one push each
     assert more.test_auc > 0.6
 
 
@@ -246,6 +247,5 @@ def test_killed_row_shard_is_restored_from_its_checkpoint_and_auc_holds(ray_loca
     assert restored["shard"] == 1 and restored["checkpoint"] == before["number"]
     assert restored["version"] == before["row_shards"][1]["version"] > 0
     steps = [e for e in result.events if e["event"] == "step"]
-    assert {r: max(e["step"] for e in steps if e["replica"] == r) for r in (0, 1)} == \
-        {0: 149, 1: 149}
+    assert max(e["step"] for e in steps) == 149 and {e["replica"] for e in steps} == {0}
     assert abs(result.test_auc - unfaulted.test_auc) <= 0.01
