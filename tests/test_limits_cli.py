@@ -33,18 +33,34 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """Every case's real CLI process, all started at once (each spends its few seconds
+    importing torch on one core), each in a folder of its own: case -> (process, folder)."""
+    started = {}
+    for case, (words, _) in CASES.items():
+        folder = tmp_path_factory.mktemp(case)
+        (folder / "huge.py").write_text(HUGE)
+        (folder / "afile").write_text("not a folder")
+        started[case] = (subprocess.Popen(
+            [sys.executable, "-m", "distbelief.cli", "train", "--no-progress", *words],
+            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), folder)
+    done = {}
+    for case, (proc, folder) in started.items():
+        _, err = proc.communicate(timeout=120)
+        done[case] = (proc.returncode, err, folder)
+    return done
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_a_resource_limit_is_one_line_and_exit_code_2(tmp_path, case):
-    words, message = CASES[case]
-    (tmp_path / "huge.py").write_text(HUGE)
-    (tmp_path / "afile").write_text("not a folder")
-    proc = cli(tmp_path, *words)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("distbelief: error: "), proc.stderr
-    assert message in lines[0]
-    assert not (tmp_path / "run").exists()  # nothing half-written
-    assert (tmp_path / "afile").read_text() == "not a folder"
+def test_a_resource_limit_is_one_line_and_exit_code_2(refused, case):
+    code, err, folder = refused[case]
+    assert code == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distbelief: error: "), err
+    assert CASES[case][1] in lines[0]
+    assert not (folder / "run").exists()  # nothing half-written
+    assert (folder / "afile").read_text() == "not a folder"
 
 
 def test_more_replicas_than_cores_is_a_warning_and_a_working_run(tmp_path):
