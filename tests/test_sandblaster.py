@@ -120,7 +120,7 @@ def test_killed_replica_mid_batch_gives_the_same_gradient(digits):
 def test_static_split_without_backups_is_also_exact(digits):
     model = models.mlp(digits.features, 16, 10, seed=3)
     want_loss, want_grad = full_batch_reference(model, digits.x_train, digits.y_train)
-    rig = Rig(model, digits.x_train, digits.y_train, portions=4, backups=False)
+    rig = Rig(model, digits.x_train, digits.y_train, replicas=2, portions=4, backups=False)
     try:
         np.testing.assert_allclose(rig.runner.run("x", "g"), want_loss, rtol=1e-5)
         np.testing.assert_allclose(rig.gradient(), want_grad, rtol=1e-4, atol=1e-4)
