@@ -160,7 +160,7 @@ def scipy_softmax_accuracy(ds, l2, seed):
 
 
 def test_cli_sandblaster_matches_scipy_lbfgs_accuracy(digits, tmp_path, capsys):
-    code = main(["train", "--algorithm", "sandblaster", "--replicas", "4", "--shards", "2",
+    code = main(["train", "--algorithm", "sandblaster", "--replicas", "2", "--shards", "2",
                  "--hidden", "0", "--iterations", "60", "--run-dir", str(tmp_path / "sb"),
                  "--no-progress"])
     assert code == 0
