@@ -68,8 +68,10 @@ def without_compiler() -> None:
     outside compilation). For that one, ``torch._dynamo`` is :class:`_CompilerOnDemand`
     until anything else is asked of it, which imports the real module then.
 
-    Only for processes of ours that never compile (shard actors; not the driver, which runs
-    the user's code). A no-op where ``torch._dynamo`` is already loaded."""
+    Only for processes of ours: shard actors, and the ``distbelief`` program, whose driver
+    steps torch.optim only to probe a rule (a user's model that compiles still gets the real
+    module, on demand); not a Python API caller's process. A no-op where ``torch._dynamo``
+    is already loaded."""
     if "torch._dynamo" in sys.modules:
         return
     marker = torch._disable_dynamo(lambda: None).__code__  # torch's lazy wrapper's code
