@@ -122,3 +122,21 @@ def test_sandblaster_replica_stages_only_kept_portions_of_its_batch():
     assert replica.push(0, "t2", [(5, True)]) == []  # a verdict for a batch gone by
     assert replica.host.log == [("load", "x"), ("hold", 0), ("hold", 1), ("hold", 2),
                                 ("stage", "t0", [0, 2]), ("load", "x1"), ("hold", 5)]
+
+
+def test_a_slowed_replica_sleeps_after_every_step_but_its_first(monkeypatch):
+    """--slow-replica stretches each step; an actor's first step is start-up (partition
+    actors coming up, the first fetch) and is not stretched, also for a restarted one."""
+    import time
+
+    for start_step in (0, 5):
+        slept = []
+        monkeypatch.setattr(time, "sleep", slept.append)
+        cfg = TrainConfig(replicas=2, batch_size=4, slow_replicas={1: 3.0})
+        x, y = np.arange(40, dtype=np.float32).reshape(20, 2), np.zeros(20, np.int64)
+        replica = ReplicaLoop(1, RecordingHost, torch.nn.CrossEntropyLoss(), x, y, cfg,
+                              start_step=start_step)
+        events = replica.run(4)["events"]
+        assert [e["step"] for e in events] == list(range(start_step, start_step + 4))
+        assert len(slept) == 3 and all(s >= 0 for s in slept)
+        monkeypatch.undo()
