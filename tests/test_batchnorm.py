@@ -30,7 +30,7 @@ def eval_accuracy(model, x, y):
     model.eval()
     with torch.no_grad():
         out = model(torch.from_numpy(x))
-    return float((out.argmax(1) == torch.from_numpy(y)).float().mean())
+    return int((out.argmax(1) == torch.from_numpy(y)).sum()) / len(y)  # as the evaluator counts
 
 
 def test_batchnorm_fit_accuracy_equals_the_returned_models_eval_accuracy(digits, tmp_path):

@@ -219,3 +219,44 @@ def test_probe_cost_times_one_thread_and_restores_the_thread_count():
     finally:
         torch.set_num_threads(before)
     assert seen == [(None, 32, 1)] * 3
+
+
+@pytest.mark.parametrize("source", ["arrays", "rows"])
+def test_scoring_in_batches_counts_every_row_once_and_averages_the_loss_over_rows(source):
+    """The evaluator puts SCORE_BATCH rows through the model at a time (a 1,000-row CNN
+    forward pass at once costs it two thirds more CPU): accuracy is the exact share of rows
+    right and the loss the mean over rows, as one pass over all of them gives; 300 rows of
+    a test set (not a multiple of the batch) and a ``limit`` inside the last batch."""
+    from distbelief.sources import ArrayRows
+    from distbelief.trainer import SCORE_BATCH, Evaluator
+
+    assert 300 % SCORE_BATCH
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(300, 5)
+    y = torch.randint(0, 3, (300,))
+    test = (x.numpy(), y.numpy()) if source == "arrays" else ArrayRows(x.numpy(), y.numpy())
+    evaluator = Evaluator(model, nn.CrossEntropyLoss(),
+                          ShardPlan.build(parameter_shapes(model), 1), test)
+    for limit in (None, 290):
+        n = 300 if limit is None else limit
+        with torch.no_grad():
+            out = model(x[:n])
+        scores = evaluator.score(None, limit)
+        assert scores["test_accuracy"] == int((out.argmax(1) == y[:n]).sum()) / n
+        assert scores["test_loss"] == pytest.approx(float(nn.CrossEntropyLoss()(out, y[:n])),
+                                                    rel=1e-5)
+
+
+def test_a_regression_model_is_scored_by_its_loss_alone():
+    from distbelief.trainer import Evaluator
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(200, 4), torch.randn(200, 1)
+    evaluator = Evaluator(model, nn.MSELoss(), ShardPlan.build(parameter_shapes(model), 1),
+                          (x.numpy(), y.numpy()))
+    scores = evaluator.score(None)
+    with torch.no_grad():
+        assert scores == {"test_loss": pytest.approx(float(nn.MSELoss()(model(x), y)),
+                                                     rel=1e-5)}

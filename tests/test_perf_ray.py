@@ -59,6 +59,9 @@ def test_periodic_evaluations_score_a_sample_during_training_and_all_at_the_end(
     *periodic, whole = evals  # the final evaluation also logs an eval event, of all rows
     assert "subset" not in whole
     assert len(periodic) >= 1  # the first is submitted at the start and collected at the end
+    if where == "driver":  # the initial parameters are scored before training starts
+        assert periodic[0]["updates"] == 0
+        assert result.events.index(periodic[0]) < result.events.index(placement)
     for e in periodic:
         assert e["subset"] == 50 and 0 <= e["test_accuracy"] <= 1 and e["test_loss"] > 0
         assert e["updates"] == sum(e["versions"]) and e["elapsed_s"] >= 0

@@ -139,7 +139,7 @@ class DownpourSGD(Trainer):
         cfg, job = self.cfg, self.job
         budget = slot_steps(cfg)
         evals = Evaluations(job, shards, evaluator, cfg)
-        evals.ready()  # the evaluator's process is up before training starts (as replicas)
+        evals.ready()  # the evaluator is up and has scored the initial parameters
         first = shards.retry(shards.stats)
         job.log("placement", shards=[s["node"] for s in first], replicas=replicas.where(),
                 versions=[s["version"] for s in first], evaluator=evals.where())

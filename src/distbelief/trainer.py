@@ -45,7 +45,11 @@ from distbelief.ps.shard import ParameterShard
 from distbelief.ps.staleness import StalenessControl
 from distbelief.sources import Rows, as_rows
 
-EVAL_BATCH = 1024  # rows of a Dataset/data-folder test set scored at a time
+EVAL_BATCH = 1024  # rows of a Dataset/data-folder test set read at a time
+# rows of a test set put through the model at a time: a 1,000-row forward pass of the MNIST
+# CNN costs 0.59 CPU-s on one thread, 128 rows at a time 0.35 (its activations stay in
+# cache); the 17M MLP 0.46 -> 0.48
+SCORE_BATCH = 128
 
 __all__ = ["Evaluator", "Trainer", "TrainResult", "as_arrays", "store_bytes"]
 
@@ -345,36 +349,41 @@ class Evaluator:
     @torch.no_grad()
     def score(self, shards: ShardSet, limit: int | None = None) -> dict:
         """Test loss (and accuracy, for a classifier) of the loaded parameters on the first
-        ``limit`` test examples (None: all), in ``eval()`` mode (the mode is restored)."""
+        ``limit`` test examples (None: all), in ``eval()`` mode (the mode is restored).
+
+        A test set in memory is scored :data:`SCORE_BATCH` rows at a time; a :class:`Rows`
+        (a Dataset, a data folder) is read :data:`EVAL_BATCH` rows at a time and scored the
+        same way. The loss is averaged over rows, so ``loss_fn`` must take the mean over a
+        batch."""
         if self.test is None:
             return {}
-        if isinstance(self.test, Rows):
-            return self._score_rows(self.test, limit)
-        x, y = (a[:limit] for a in self.test)
         model = self.flat.model
         training = model.training
         model.eval()
         try:
-            out = model(x)
+            if isinstance(self.test, Rows):
+                end = len(self.test) if limit is None else min(limit, len(self.test))
+                parts = (tuple(torch.from_numpy(a) for a in
+                               self.test.rows(np.arange(at, min(end, at + EVAL_BATCH))))
+                         for at in range(0, end, EVAL_BATCH))
+            else:
+                parts = iter([tuple(a[:limit] for a in self.test)])
+            loss, correct, n, classifier = 0.0, 0, 0, True
+            for x, y in parts:
+                for at in range(0, len(y), SCORE_BATCH):
+                    xb, yb = x[at:at + SCORE_BATCH], y[at:at + SCORE_BATCH]
+                    out = model(xb)
+                    loss += float(self.loss_fn(out, yb)) * len(yb)
+                    n += len(yb)
+                    classifier = classifier and out.ndim == 2 and not yb.is_floating_point()
+                    if classifier:
+                        correct += int((out.argmax(1) == yb).sum())
         finally:
             model.train(training)
-        scores = {"test_loss": float(self.loss_fn(out, y))}
-        if out.ndim == 2 and not y.is_floating_point():
-            scores["test_accuracy"] = float((out.argmax(1) == y).float().mean())
+        scores = {"test_loss": loss / max(1, n)}
+        if classifier and n:
+            scores["test_accuracy"] = correct / n
         return scores
-
-    def _score_rows(self, rows: Rows, limit: int | None) -> dict:
-        """:meth:`score` over a :class:`Rows`, :data:`EVAL_BATCH` rows at a time (the loss
-        averaged over rows, so ``loss_fn`` must take the mean over a batch)."""
-        n = len(rows) if limit is None else min(limit, len(rows))
-        loss, correct = 0.0, 0
-        for start in range(0, n, EVAL_BATCH):
-            x, y = (torch.from_numpy(a) for a in rows.rows(np.arange(start,
-                                                                      min(n, start + EVAL_BATCH))))
-            out = self.flat.model(x)
-            loss += float(self.loss_fn(out, y)) * len(y)
-            correct += int((out.argmax(1) == y).sum())
-        return {"test_loss": loss / n, "test_accuracy": correct / n}
 
 
 def as_arrays(x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
