@@ -222,15 +222,14 @@ def test_probe_cost_times_one_thread_and_restores_the_thread_count():
 
 
 @pytest.mark.parametrize("source", ["arrays", "rows"])
-def test_scoring_in_batches_counts_every_row_once_and_averages_the_loss_over_rows(source):
-    """The evaluator puts SCORE_BATCH rows through the model at a time (a 1,000-row CNN
-    forward pass at once costs it two thirds more CPU): accuracy is the exact share of rows
-    right and the loss the mean over rows, as one pass over all of them gives; 300 rows of
-    a test set (not a multiple of the batch) and a ``limit`` inside the last batch."""
+def test_scoring_in_passes_counts_every_row_once_and_averages_the_loss_over_rows(source):
+    """The evaluator puts ``rows_per_pass()`` rows through the model at a time (64 for this
+    small model): accuracy is the exact share of rows right and the loss the mean over rows,
+    as one pass over all of them gives; 300 rows (not a multiple of the pass) and a ``limit``
+    inside the last pass."""
     from distbelief.sources import ArrayRows
-    from distbelief.trainer import SCORE_BATCH, Evaluator
+    from distbelief.trainer import Evaluator
 
-    assert 300 % SCORE_BATCH
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
     x = torch.randn(300, 5)
@@ -238,6 +237,7 @@ def test_scoring_in_batches_counts_every_row_once_and_averages_the_loss_over_row
     test = (x.numpy(), y.numpy()) if source == "arrays" else ArrayRows(x.numpy(), y.numpy())
     evaluator = Evaluator(model, nn.CrossEntropyLoss(),
                           ShardPlan.build(parameter_shapes(model), 1), test)
+    assert evaluator.rows_per_pass() == 64
     for limit in (None, 290):
         n = 300 if limit is None else limit
         with torch.no_grad():
@@ -246,6 +246,27 @@ def test_scoring_in_batches_counts_every_row_once_and_averages_the_loss_over_row
         assert scores["test_accuracy"] == int((out.argmax(1) == y[:n]).sum()) / n
         assert scores["test_loss"] == pytest.approx(float(nn.CrossEntropyLoss()(out, y[:n])),
                                                     rel=1e-5)
+
+
+def test_a_pass_holds_as_many_rows_as_make_its_activations_match_the_weights():
+    """Activations counted per row over every leaf module's output: a wide MLP (many
+    weights, few activations a row) gets long passes, a convolution (few weights, large
+    activations) the least."""
+    from distbelief.evaluation import MIN_ROWS_PER_PASS, activation_bytes_per_row, rows_per_pass
+
+    wide = nn.Sequential(nn.Linear(1000, 5000), nn.ReLU(), nn.Linear(5000, 10))
+    # Linear 5000 + ReLU 5000 + Linear 10 floats a row
+    assert activation_bytes_per_row(wide, torch.randn(4, 1000)) == 4 * 10010
+    weights = 4 * sum(p.numel() for p in wide.parameters())
+    assert rows_per_pass(weights, 4 * 10010) == weights // (4 * 10010) > MIN_ROWS_PER_PASS
+    conv = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 16 * 16, 2))
+    conv.train()
+    per_row = activation_bytes_per_row(conv, torch.randn(2, 1, 16, 16))
+    assert per_row == 4 * (3 * 8 * 16 * 16 + 2)  # conv, relu, flatten (a view, counted), linear
+    assert conv.training  # the mode is restored
+    assert rows_per_pass(4 * sum(p.numel() for p in conv.parameters()), per_row) == \
+        MIN_ROWS_PER_PASS
 
 
 def test_a_regression_model_is_scored_by_its_loss_alone():

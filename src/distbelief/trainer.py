@@ -28,6 +28,7 @@ from distbelief import cluster, storage
 from distbelief.checkpoint import latest_checkpoint, load_shard
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
+from distbelief.evaluation import MIN_ROWS_PER_PASS, activation_bytes_per_row, rows_per_pass
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.host import HostFactory
 from distbelief.job import Job, TrainResult, actor_name
@@ -46,10 +47,6 @@ from distbelief.ps.staleness import StalenessControl
 from distbelief.sources import Rows, as_rows
 
 EVAL_BATCH = 1024  # rows of a Dataset/data-folder test set read at a time
-# rows of a test set put through the model at a time: a 1,000-row forward pass of the MNIST
-# CNN costs 0.59 CPU-s on one thread, 128 rows at a time 0.35 (its activations stay in
-# cache); the 17M MLP 0.46 -> 0.48
-SCORE_BATCH = 128
 
 __all__ = ["Evaluator", "Trainer", "TrainResult", "as_arrays", "store_bytes"]
 
@@ -289,6 +286,7 @@ class Evaluator:
         else:
             self.test = tuple(torch.from_numpy(a) for a in test)
         self.subset = subset
+        self._per_pass: int | None = None  # rows_per_pass(), measured at the first score
 
     def evaluate(self, job: Job, shards: ShardSet, averaged: bool | None = None) -> dict:
         """Load the shards' current parameters (their average if ``averaged``, by default
@@ -334,6 +332,19 @@ class Evaluator:
         return Evaluator(copy.deepcopy(self.flat.model), self.loss_fn, self.plan, test,
                          average=self.average)
 
+    def rows_per_pass(self) -> int:
+        """Test rows scored in one forward pass (:func:`~distbelief.evaluation.rows_per_pass`
+        of this model, its activations measured once on the first test rows)."""
+        if self._per_pass is None and not self.test_rows():
+            return MIN_ROWS_PER_PASS
+        if self._per_pass is None:
+            first = (self.test.rows(np.arange(min(4, len(self.test))))[0]
+                     if isinstance(self.test, Rows) else self.test[0][:4].numpy())
+            self._per_pass = rows_per_pass(
+                self.flat.flat.numel() * self.flat.flat.element_size(),
+                activation_bytes_per_row(self.flat.model, torch.from_numpy(first)))
+        return self._per_pass
+
     def test_rows(self) -> int:
         """How many test examples there are (0 without a test set)."""
         if self.test is None:
@@ -351,13 +362,13 @@ class Evaluator:
         """Test loss (and accuracy, for a classifier) of the loaded parameters on the first
         ``limit`` test examples (None: all), in ``eval()`` mode (the mode is restored).
 
-        A test set in memory is scored :data:`SCORE_BATCH` rows at a time; a :class:`Rows`
-        (a Dataset, a data folder) is read :data:`EVAL_BATCH` rows at a time and scored the
-        same way. The loss is averaged over rows, so ``loss_fn`` must take the mean over a
-        batch."""
+        The rows go through the model :meth:`rows_per_pass` at a time; a :class:`Rows` (a
+        Dataset, a data folder) is read :data:`EVAL_BATCH` rows at a time. The loss is
+        averaged over rows, so ``loss_fn`` must take the mean over a batch."""
         if self.test is None:
             return {}
         model = self.flat.model
+        per_pass = self.rows_per_pass()
         training = model.training
         model.eval()
         try:
@@ -370,8 +381,8 @@ class Evaluator:
                 parts = iter([tuple(a[:limit] for a in self.test)])
             loss, correct, n, classifier = 0.0, 0, 0, True
             for x, y in parts:
-                for at in range(0, len(y), SCORE_BATCH):
-                    xb, yb = x[at:at + SCORE_BATCH], y[at:at + SCORE_BATCH]
+                for at in range(0, len(y), per_pass):
+                    xb, yb = x[at:at + per_pass], y[at:at + per_pass]
                     out = model(xb)
                     loss += float(self.loss_fn(out, yb)) * len(yb)
                     n += len(yb)
