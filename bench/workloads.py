@@ -23,10 +23,15 @@ Every method trains the same seeded initial model on the same number of samples:
 
 samples/s counts training samples over the training wall time (from the run's ``placement``
 event for Downpour, after the barrier for DDP, after model construction for one process).
-Time to ``--target`` is the first evaluation at or above it (one process and DDP rank 0
-evaluate the same test set every ``--eval-every`` seconds, inside their clock; Downpour
-evaluates as its defaults do, each evaluation at the time its fetch began); every method's
-final accuracy counts at the end of its training. Where Downpour's step events carry a
+Time to ``--target`` is the first evaluation at or above it, and "samples" the training
+samples the model had seen then. Every method evaluates by the same rule, inside its clock:
+Downpour as its defaults do (each evaluation at the time its fetch began, spaced so that it
+takes at most ``--eval-budget`` = 5% of the job's CPU time); one process and DDP rank 0 by
+that rule too (``--baseline-eval budget``: the same budget of their cores, the CPU time an
+evaluation took) or every ``--eval-every`` seconds (``--baseline-eval period``, the rule
+before 2026-12-06, which spends a third of one process's time evaluating). All score the
+same test rows ``rows_per_pass`` at a time, as Downpour's evaluator does. Every method's final
+accuracy counts at the end of its training. Where Downpour's step events carry a
 step-time breakdown (``compute_s``, ``fetch_wait_s``, ``push_wait_s``, ``idle_s``), its mean
 per step is printed.
 Writes OUT/workloads.json.
@@ -50,6 +55,7 @@ from torch import nn
 
 from distbelief import data, models
 from distbelief.data import ReplicaSampler
+from distbelief.evaluation import EvalBudget, activation_bytes_per_row, rows_per_pass
 
 WORKLOADS = {
     # name: (model builder, lr, batch size, args attribute holding the mini-batch count)
@@ -67,15 +73,52 @@ def n_params(model: nn.Module) -> int:
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy, ``rows_per_pass`` rows at a time as Downpour's evaluator scores."""
+    k = rows_per_pass(4 * n_params(model), activation_bytes_per_row(model, x[:4]))
     model.eval()
     with torch.no_grad():
-        acc = float((model(x).argmax(1) == y).float().mean())
+        correct = sum(int((model(x[at:at + k]).argmax(1) == y[at:at + k]).sum())
+                      for at in range(0, len(y), k))
     model.train()
-    return acc
+    return correct / len(y)
 
 
-def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    return next((t for t, acc in curve if acc >= target), None)
+def time_to(curve: list[list[float]], target: float) -> float | None:
+    """When an evaluation first scored ``target`` or more (curve rows: time, accuracy,
+    samples trained on)."""
+    return next((t for t, acc, *_ in curve if acc >= target), None)
+
+
+def samples_to(curve: list[list[float]], target: float) -> float | None:
+    """How many samples the model had trained on at that evaluation."""
+    return next((n for _, acc, n in curve if acc >= target), None)
+
+
+class BaselineEvals:
+    """When one process (or DDP rank 0) evaluates: with ``--baseline-eval budget`` (the
+    default) by Downpour's rule, :class:`~distbelief.evaluation.EvalBudget` at
+    ``--eval-budget`` of the ``cores`` it runs on, on the CPU time an evaluation took (all
+    of the process's threads), never sooner than ``--eval-every`` after the last began; with
+    ``period``, every ``--eval-every`` seconds after the last one ended."""
+
+    def __init__(self, args, cores: int, start: float) -> None:
+        self.rule = args.baseline_eval
+        self.budget = EvalBudget(args.eval_budget * cores, args.eval_every, start)
+        # the untrained model is not scored (Downpour scores it while its replicas start)
+        self.budget.at = start + args.eval_every
+        self.every = args.eval_every
+
+    def due(self) -> bool:
+        return self.budget.due(time.perf_counter())
+
+    def score(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        began, cpu = time.perf_counter(), time.process_time()
+        acc = accuracy(model, x, y)
+        if self.rule == "budget":
+            self.budget.done(began, time.perf_counter() - began, time.process_time() - cpu)
+        else:
+            self.budget.at = time.perf_counter() + self.every
+        return acc
 
 
 def single(args, work: str, threads: int, device: str = "cpu") -> dict:
@@ -92,19 +135,19 @@ def single(args, work: str, threads: int, device: str = "cpu") -> dict:
     loss_fn, curve = nn.CrossEntropyLoss(), []
     steps = getattr(args, batches)
     start = time.perf_counter()
-    next_eval = start + args.eval_every
+    evals = BaselineEvals(args, threads, start)
     for step in range(steps):
         rows = torch.from_numpy(sampler.batch(step)).to(device)
         opt.zero_grad()
         loss_fn(model(x[rows]), y[rows]).backward()
         opt.step()
-        if time.perf_counter() >= next_eval:
-            curve.append((time.perf_counter() - start, accuracy(model, xt, yt)))
-            next_eval = time.perf_counter() + args.eval_every
+        if evals.due():
+            t = time.perf_counter() - start
+            curve.append((t, evals.score(model, xt, yt), (step + 1) * batch))
     if device != "cpu":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    curve.append((wall, accuracy(model, xt, yt)))
+    curve.append((wall, accuracy(model, xt, yt), steps * batch))
     return {"samples_s": steps * batch / wall, "curve": curve, "wall_s": wall}
 
 
@@ -124,19 +167,20 @@ def ddp_worker(rank: int, args, work: str, port: int, out: str) -> None:
     steps = getattr(args, batches) // args.replicas
     dist.barrier()
     start = time.perf_counter()
-    next_eval = start + args.eval_every
+    evals = BaselineEvals(args, args.replicas, start)
     for step in range(steps):
         rows = torch.from_numpy(sampler.batch(step))
         opt.zero_grad()
         loss_fn(model(x[rows]), y[rows]).backward()
         opt.step()
-        if rank == 0 and time.perf_counter() >= next_eval:
-            curve.append((time.perf_counter() - start, accuracy(model.module, xt, yt)))
-            next_eval = time.perf_counter() + args.eval_every
+        if rank == 0 and evals.due():
+            t = time.perf_counter() - start
+            curve.append((t, evals.score(model.module, xt, yt),
+                          (step + 1) * args.replicas * batch))
     dist.barrier()
     wall = time.perf_counter() - start
     if rank == 0:
-        curve.append((wall, accuracy(model.module, xt, yt)))
+        curve.append((wall, accuracy(model.module, xt, yt), steps * args.replicas * batch))
         Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall,
                                          "samples_s": steps * args.replicas * batch / wall}))
     dist.destroy_process_group()
@@ -173,11 +217,13 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False) -> 
     start = next(e["t"] for e in events if e["event"] == "placement")
     step_events = [e for e in events if e["event"] == "step"]
     last = max(e["t"] for e in step_events)
-    # periodic evaluations at the time their fetch began; the final one (written after the
+    # periodic evaluations at the time their fetch began, with the samples the shards had
+    # applied (each push counts once per shard); the final one (written after the
     # whole-test-set evaluation and the shutdown) at the end of training, as for the others
-    curve = [(e["t"] - start, e["test_accuracy"]) for e in events
+    curve = [(e["t"] - start, e["test_accuracy"], e["updates"] // args.shards * batch)
+             for e in events
              if e["event"] == "eval" and "test_accuracy" in e and e["t"] >= start]
-    curve.append((last - start, result.test_accuracy))
+    curve.append((last - start, result.test_accuracy, steps * args.replicas * batch))
     breakdown = {k: statistics.fmean(e[k] for e in step_events)
                  for k in BREAKDOWN if all(k in e for e in step_events)}
     return {"samples_s": steps * args.replicas * batch / (last - start), "curve": curve,
@@ -199,7 +245,13 @@ def main() -> None:
     parser.add_argument("--mlp-batches", type=int, default=120, help="mini-batches in all")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--eval-every", type=float, default=0.5,
-                        help="seconds between evaluations of one process and DDP rank 0")
+                        help="least seconds between evaluations of one process and DDP rank 0")
+    parser.add_argument("--baseline-eval", choices=("budget", "period"), default="budget",
+                        help="how one process and DDP rank 0 space their evaluations: by "
+                        "Downpour's rule (--eval-budget of their cores' CPU time) or every "
+                        "--eval-every seconds")
+    parser.add_argument("--eval-budget", type=float, default=0.05,
+                        help="with --baseline-eval budget: Downpour's default --eval-budget")
     parser.add_argument("--methods", nargs="+",
                         default=["single-1t", "single-all", "ddp", "downpour", "downpour-noeval"],
                         help="also single-gpu and downpour-gpu where CUDA exists")
@@ -227,10 +279,12 @@ def main() -> None:
                 out = runs[method](work)
                 results.setdefault(work, {}).setdefault(method, []).append(out)
                 t = time_to(out["curve"], args.target)
+                n = samples_to(out["curve"], args.target)
                 extra = "".join(f" {k}={v * 1e3:.1f}ms" for k, v in
                                 out.get("breakdown", {}).items())
                 print(f"repeat {r} {method:<16} {out['samples_s']:8.0f} samples/s  "
-                      f"time to {args.target:.0%}: {fmt(t)}  final acc "
+                      f"time to {args.target:.0%}: {fmt(t)} ({'-' if n is None else n} "
+                      f"samples, {len(out['curve']) - 1} evaluations)  final acc "
                       f"{out['curve'][-1][1]:.4f}{extra}", flush=True)
         summarize(args, work, results[work])
     out = Path(args.out)
@@ -246,8 +300,8 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
         vals = [r[key] for r in res.get(method, [])]
         return statistics.median(vals) if vals else None
 
-    def med_time(method: str) -> float | None:
-        ts = [time_to(r["curve"], args.target) for r in res.get(method, [])]
+    def med_time(method: str, to=time_to) -> float | None:
+        ts = [to(r["curve"], args.target) for r in res.get(method, [])]
         return statistics.median(ts) if ts and None not in ts else None
 
     one, allc, dp, dd = (med(m) for m in ("single-1t", "single-all", "downpour", "ddp"))
@@ -270,6 +324,10 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     tp, ta = med_time("downpour"), med_time("single-all")
     if tp and ta:
         print(f"   time to {args.target:.0%}: downpour / single-all = {tp / ta:.2f}")
+    sp, sa = med_time("downpour", samples_to), med_time("single-all", samples_to)
+    if sp and sa:
+        print(f"   samples to {args.target:.0%} (at the evaluation that saw it): "
+              f"downpour / single-all = {sp / sa:.2f}")
     for method in ("downpour", "downpour-noeval", "downpour-gpu"):
         for r in res.get(method, []):
             if r.get("breakdown"):
