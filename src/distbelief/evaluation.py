@@ -144,9 +144,9 @@ def rows_per_pass(param_bytes: int, act_bytes_per_row: int) -> int:
     activations about as large as the weights, and at least :data:`MIN_ROWS_PER_PASS`.
     Each pass reads every weight once and writes its activations, so smaller passes of a
     model whose weights dwarf its activations re-read the weights (the 17M MLP: 68 MB of
-    weights, 172 kB of activations a row -> 398 rows), and larger passes of one whose
+    weights, 173 kB of activations a row -> 397 rows), and larger passes of one whose
     activations dwarf its weights leave the cache (the MNIST CNN: 1.8 MB of weights, about
-    340 kB a row -> 64 rows). Measured on one thread over 1,000 rows: the CNN 0.59 CPU-s in
+    355 kB a row -> 64 rows). Measured on one thread over 1,000 rows: the CNN 0.59 CPU-s in
     one pass, 0.35 in passes of 64-128; the 17M MLP 0.46 in one pass, 0.43 in passes of
     256, 0.48 of 128 (and more under load, when memory bandwidth is shared)."""
     return max(MIN_ROWS_PER_PASS, param_bytes // act_bytes_per_row)
