@@ -152,6 +152,34 @@ def rows_per_pass(param_bytes: int, act_bytes_per_row: int) -> int:
     return max(MIN_ROWS_PER_PASS, param_bytes // act_bytes_per_row)
 
 
+def score_passes(model: torch.nn.Module, loss_fn: torch.nn.Module,
+                 parts: Iterator[tuple[torch.Tensor, torch.Tensor]], per_pass: int) -> dict:
+    """Test loss (the mean over rows, so ``loss_fn`` must take the mean over a batch) and,
+    for a classifier, accuracy (the exact share of rows right) of ``model`` over the test
+    rows in ``parts`` (``(x, y)`` tensors), ``per_pass`` rows a forward pass, in ``eval()``
+    mode under ``no_grad`` (the mode is restored)."""
+    training = model.training
+    model.eval()
+    loss, correct, n, classifier = 0.0, 0, 0, True
+    try:
+        with torch.no_grad():
+            for x, y in parts:
+                for at in range(0, len(y), per_pass):
+                    xb, yb = x[at:at + per_pass], y[at:at + per_pass]
+                    out = model(xb)
+                    loss += float(loss_fn(out, yb)) * len(yb)
+                    n += len(yb)
+                    classifier = classifier and out.ndim == 2 and not yb.is_floating_point()
+                    if classifier:
+                        correct += int((out.argmax(1) == yb).sum())
+    finally:
+        model.train(training)
+    scores = {"test_loss": loss / max(1, n)}
+    if classifier and n:
+        scores["test_accuracy"] = correct / n
+    return scores
+
+
 def sample_rows(n: int, k: int, seed: int) -> np.ndarray:
     """A fixed seeded sample of ``min(n, k)`` of ``n`` test rows, in ascending order."""
     if k >= n:

@@ -28,7 +28,12 @@ from distbelief import cluster, storage
 from distbelief.checkpoint import latest_checkpoint, load_shard
 from distbelief.config import TrainConfig
 from distbelief.errors import UserError
-from distbelief.evaluation import MIN_ROWS_PER_PASS, activation_bytes_per_row, rows_per_pass
+from distbelief.evaluation import (
+    MIN_ROWS_PER_PASS,
+    activation_bytes_per_row,
+    rows_per_pass,
+    score_passes,
+)
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.host import HostFactory
 from distbelief.job import Job, TrainResult, actor_name
@@ -357,44 +362,20 @@ class Evaluator:
             return {}
         return {"evaluated": str(parse_average(self.average)) if averaged else "last"}
 
-    @torch.no_grad()
     def score(self, shards: ShardSet, limit: int | None = None) -> dict:
-        """Test loss (and accuracy, for a classifier) of the loaded parameters on the first
-        ``limit`` test examples (None: all), in ``eval()`` mode (the mode is restored).
-
-        The rows go through the model :meth:`rows_per_pass` at a time; a :class:`Rows` (a
-        Dataset, a data folder) is read :data:`EVAL_BATCH` rows at a time. The loss is
-        averaged over rows, so ``loss_fn`` must take the mean over a batch."""
+        """:func:`~distbelief.evaluation.score_passes` of the loaded parameters on the first
+        ``limit`` test examples (None: all), :meth:`rows_per_pass` a pass; a :class:`Rows`
+        (a Dataset, a data folder) is read :data:`EVAL_BATCH` rows at a time."""
         if self.test is None:
             return {}
-        model = self.flat.model
-        per_pass = self.rows_per_pass()
-        training = model.training
-        model.eval()
-        try:
-            if isinstance(self.test, Rows):
-                end = len(self.test) if limit is None else min(limit, len(self.test))
-                parts = (tuple(torch.from_numpy(a) for a in
-                               self.test.rows(np.arange(at, min(end, at + EVAL_BATCH))))
-                         for at in range(0, end, EVAL_BATCH))
-            else:
-                parts = iter([tuple(a[:limit] for a in self.test)])
-            loss, correct, n, classifier = 0.0, 0, 0, True
-            for x, y in parts:
-                for at in range(0, len(y), per_pass):
-                    xb, yb = x[at:at + per_pass], y[at:at + per_pass]
-                    out = model(xb)
-                    loss += float(self.loss_fn(out, yb)) * len(yb)
-                    n += len(yb)
-                    classifier = classifier and out.ndim == 2 and not yb.is_floating_point()
-                    if classifier:
-                        correct += int((out.argmax(1) == yb).sum())
-        finally:
-            model.train(training)
-        scores = {"test_loss": loss / max(1, n)}
-        if classifier and n:
-            scores["test_accuracy"] = correct / n
-        return scores
+        if isinstance(self.test, Rows):
+            end = len(self.test) if limit is None else min(limit, len(self.test))
+            parts = (tuple(torch.from_numpy(a) for a in
+                           self.test.rows(np.arange(at, min(end, at + EVAL_BATCH))))
+                     for at in range(0, end, EVAL_BATCH))
+        else:
+            parts = iter([tuple(a[:limit] for a in self.test)])
+        return score_passes(self.flat.model, self.loss_fn, parts, self.rows_per_pass())
 
 
 def as_arrays(x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
