@@ -29,9 +29,10 @@ Downpour as its defaults do (each evaluation at the time its fetch began, spaced
 takes at most ``--eval-budget`` = 5% of the job's CPU time); one process and DDP rank 0 by
 that rule too (``--baseline-eval budget``: the same budget of their cores, the CPU time an
 evaluation took) or every ``--eval-every`` seconds (``--baseline-eval period``, the rule
-before 2026-12-06, which spends a third of one process's time evaluating). All score the
-same test rows ``rows_per_pass`` at a time, as Downpour's evaluator does. Every method's final
-accuracy counts at the end of its training. Where Downpour's step events carry a
+before 2026-12-06, under which one process of one thread, scoring 1,000 rows in one pass,
+spent about half its time evaluating the CNN). All score the same test rows
+``rows_per_pass`` at a time, as Downpour's evaluator does. Every method's final accuracy
+counts at the end of its training. Where Downpour's step events carry a
 step-time breakdown (``compute_s``, ``fetch_wait_s``, ``push_wait_s``, ``idle_s``), its mean
 per step is printed.
 Writes OUT/workloads.json.
