@@ -56,7 +56,12 @@ from torch import nn
 
 from distbelief import data, models
 from distbelief.data import ReplicaSampler
-from distbelief.evaluation import EvalBudget, activation_bytes_per_row, rows_per_pass
+from distbelief.evaluation import (
+    EvalBudget,
+    activation_bytes_per_row,
+    rows_per_pass,
+    score_passes,
+)
 
 WORKLOADS = {
     # name: (model builder, lr, batch size, args attribute holding the mini-batch count)
@@ -73,15 +78,14 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Test accuracy, ``rows_per_pass`` rows at a time as Downpour's evaluator scores."""
-    k = rows_per_pass(4 * n_params(model), activation_bytes_per_row(model, x[:4]))
-    model.eval()
-    with torch.no_grad():
-        correct = sum(int((model(x[at:at + k]).argmax(1) == y[at:at + k]).sum())
-                      for at in range(0, len(y), k))
-    model.train()
-    return correct / len(y)
+def pass_rows(model: nn.Module, x: torch.Tensor) -> int:
+    """Test rows a forward pass scores, by the rule of Downpour's evaluator."""
+    return rows_per_pass(4 * n_params(model), activation_bytes_per_row(model, x[:4]))
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_pass: int) -> float:
+    """Test accuracy through Downpour's evaluator's scoring, ``per_pass`` rows a pass."""
+    return score_passes(model, nn.CrossEntropyLoss(), iter([(x, y)]), per_pass)["test_accuracy"]
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:
@@ -102,8 +106,8 @@ class BaselineEvals:
     of the process's threads), never sooner than ``--eval-every`` after the last began; with
     ``period``, every ``--eval-every`` seconds after the last one ended."""
 
-    def __init__(self, args, cores: int, start: float) -> None:
-        self.rule = args.baseline_eval
+    def __init__(self, args, cores: int, start: float, per_pass: int) -> None:
+        self.rule, self.per_pass = args.baseline_eval, per_pass
         self.budget = EvalBudget(args.eval_budget * cores, args.eval_every, start)
         # the untrained model is not scored (Downpour scores it while its replicas start)
         self.budget.at = start + args.eval_every
@@ -114,7 +118,7 @@ class BaselineEvals:
 
     def score(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         began, cpu = time.perf_counter(), time.process_time()
-        acc = accuracy(model, x, y)
+        acc = accuracy(model, x, y, self.per_pass)
         if self.rule == "budget":
             self.budget.done(began, time.perf_counter() - began, time.process_time() - cpu)
         else:
@@ -136,7 +140,8 @@ def single(args, work: str, threads: int, device: str = "cpu") -> dict:
     loss_fn, curve = nn.CrossEntropyLoss(), []
     steps = getattr(args, batches)
     start = time.perf_counter()
-    evals = BaselineEvals(args, threads, start)
+    per_pass = pass_rows(model, xt)
+    evals = BaselineEvals(args, threads, start, per_pass)
     for step in range(steps):
         rows = torch.from_numpy(sampler.batch(step)).to(device)
         opt.zero_grad()
@@ -148,7 +153,7 @@ def single(args, work: str, threads: int, device: str = "cpu") -> dict:
     if device != "cpu":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    curve.append((wall, accuracy(model, xt, yt), steps * batch))
+    curve.append((wall, accuracy(model, xt, yt, per_pass), steps * batch))
     return {"samples_s": steps * batch / wall, "curve": curve, "wall_s": wall}
 
 
@@ -168,7 +173,8 @@ def ddp_worker(rank: int, args, work: str, port: int, out: str) -> None:
     steps = getattr(args, batches) // args.replicas
     dist.barrier()
     start = time.perf_counter()
-    evals = BaselineEvals(args, args.replicas, start)
+    per_pass = pass_rows(model.module, xt)
+    evals = BaselineEvals(args, args.replicas, start, per_pass)
     for step in range(steps):
         rows = torch.from_numpy(sampler.batch(step))
         opt.zero_grad()
@@ -181,7 +187,8 @@ def ddp_worker(rank: int, args, work: str, port: int, out: str) -> None:
     dist.barrier()
     wall = time.perf_counter() - start
     if rank == 0:
-        curve.append((wall, accuracy(model.module, xt, yt), steps * args.replicas * batch))
+        curve.append((wall, accuracy(model.module, xt, yt, per_pass),
+                      steps * args.replicas * batch))
         Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall,
                                          "samples_s": steps * args.replicas * batch / wall}))
     dist.destroy_process_group()

@@ -340,14 +340,14 @@ class Evaluator:
     def rows_per_pass(self) -> int:
         """Test rows scored in one forward pass (:func:`~distbelief.evaluation.rows_per_pass`
         of this model, its activations measured once on the first test rows)."""
-        if self._per_pass is None and not self.test_rows():
-            return MIN_ROWS_PER_PASS
         if self._per_pass is None:
-            first = (self.test.rows(np.arange(min(4, len(self.test))))[0]
-                     if isinstance(self.test, Rows) else self.test[0][:4].numpy())
+            if not self.test_rows():
+                return MIN_ROWS_PER_PASS
+            first = (torch.from_numpy(self.test.rows(np.arange(min(4, len(self.test))))[0])
+                     if isinstance(self.test, Rows) else self.test[0][:4])
             self._per_pass = rows_per_pass(
                 self.flat.flat.numel() * self.flat.flat.element_size(),
-                activation_bytes_per_row(self.flat.model, torch.from_numpy(first)))
+                activation_bytes_per_row(self.flat.model, first))
         return self._per_pass
 
     def test_rows(self) -> int:
