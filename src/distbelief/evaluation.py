@@ -31,6 +31,8 @@ import numpy as np
 import ray
 import torch
 
+from distbelief.allocator import keep_freed_memory
+
 
 def job_cores(actors: int, cluster_cpus: float, local_cpus: int | None) -> float:
     """The cores a job's ``actors`` (one CPU each) can keep busy: no more than the cluster's
@@ -193,6 +195,7 @@ class EvalWorker:
 
     def __init__(self, evaluator) -> None:
         torch.set_num_threads(1)
+        keep_freed_memory()
         self.evaluator = evaluator
 
     def evaluate(self, shards: list) -> dict:

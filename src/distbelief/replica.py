@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from distbelief import cluster
+from distbelief.allocator import keep_freed_memory
 from distbelief.config import TrainConfig
 from distbelief.devices import CPU, on_device
 from distbelief.host import HostFactory
@@ -48,6 +49,7 @@ class ReplicaLoop:
     def __init__(self, index: int, host: HostFactory, loss_fn: nn.Module, x: Any,
                  y: np.ndarray | None, cfg: TrainConfig, start_step: int = 0) -> None:
         torch.set_num_threads(1)
+        keep_freed_memory()  # a step's buffers reuse the last step's pages
         self.index, self.cfg, self.loss_fn = index, cfg, loss_fn
         self.host = host(replica=index)
         self.device = getattr(self.host, "device", CPU)  # batches go where the host computes

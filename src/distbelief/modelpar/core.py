@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from distbelief import cluster
+from distbelief.allocator import keep_freed_memory
 from distbelief.modelpar.geometry import DRIVER, Message, ParamSlice
 from distbelief.modelpar.layerwise import LayerwisePlan
 from distbelief.modelpar.partitions import LayerwisePartition, SpatialPartition
@@ -60,6 +61,7 @@ class PartitionCore:
                  shard_plan: ShardPlan | None = None, shards: list | None = None,
                  replica: int = -1) -> None:
         torch.set_num_threads(1)
+        keep_freed_memory()
         if isinstance(plan, LayerwisePlan):
             self.part = LayerwisePartition(plan, index, piece)
         else:

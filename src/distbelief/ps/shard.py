@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 import ray
 
+from distbelief.allocator import keep_freed_memory
 from distbelief.ps.average import AverageSpec
 from distbelief.ps.buffers import BufferAverage
 from distbelief.ps.ledger import PushId
@@ -125,6 +126,7 @@ class ParameterShard(Replicated):
         ``--backup-workers``, the gradients each synchronous update waits for, until version
         ``end`` (the run's ``--steps``)."""
         without_compiler()  # before the rule's first torch.optim call
+        keep_freed_memory()  # the rule's temporaries reuse the last push's pages
         rule = make_rule(optimizer, lr, momentum, args, schedule, rows=rows)
         if isinstance(rule, TorchRule):
             one_torch_thread()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from distbelief import cluster
+from distbelief.allocator import keep_freed_memory
 from distbelief.devices import CPU, on_device
 from distbelief.host import HostFactory
 
@@ -35,6 +36,7 @@ class PortionReplica:
     def __init__(self, index: int, host: HostFactory, loss_fn: nn.Module, x: np.ndarray,
                  y: np.ndarray, slow: float = 1.0) -> None:
         torch.set_num_threads(1)
+        keep_freed_memory()
         self.index, self.loss_fn, self.slow = index, loss_fn, slow
         self.host = host(replica=index)
         self.device = getattr(self.host, "device", CPU)  # batches go where the host computes
