@@ -16,7 +16,9 @@ Every method trains the same seeded initial model on the same number of samples:
   one-thread rate of the same run.
 - ``ddp``: PyTorch DistributedDataParallel over gloo on 127.0.0.1, R processes of 1 thread.
 - ``downpour``: ``DownpourSGD`` with R replicas and S shards and its default evaluation, and
-  ``downpour-noeval`` with evaluation every 1000 s (what evaluation costs).
+  ``downpour-noeval`` with evaluation every 1000 s (what evaluation costs); name
+  ``downpour-freeing`` in ``--methods`` for Downpour with glibc's default malloc thresholds in
+  its actors (what :mod:`distbelief.allocator` buys).
 - on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
   GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
   CPU).
@@ -204,10 +206,15 @@ def ddp(args, work: str) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False) -> dict:
+def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
+             freeing: bool = False) -> dict:
     """DownpourSGD over R replicas and S shards; its own evaluation unless ``eval_every_s``;
-    with ``gpu``, the replicas share the machine's GPU."""
+    with ``gpu``, the replicas share the machine's GPU; with ``freeing``, its actors keep
+    glibc's default malloc thresholds (``DISTBELIEF_KEEP_FREED_MEMORY=0``, see
+    :mod:`distbelief.allocator`; the variable reaches the actors through the Ray instance
+    that ``fit`` starts)."""
     from distbelief import DownpourSGD
+    from distbelief.allocator import OFF_ENV
 
     build, lr, batch, batches = WORKLOADS[work]
     ds = data.load("mnist")
@@ -220,7 +227,12 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False) -> 
                               shards=args.shards, optimizer=OPTIMIZER[work], lr=lr,
                               batch_size=batch, steps=steps, seed=args.seed, run_dir=tmp,
                               **extra)
-        result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+        if freeing:
+            os.environ[OFF_ENV] = "0"
+        try:
+            result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
+        finally:
+            os.environ.pop(OFF_ENV, None)
     events = result.events
     start = next(e["t"] for e in events if e["event"] == "placement")
     step_events = [e for e in events if e["event"] == "step"]
@@ -273,6 +285,7 @@ def main() -> None:
         "ddp": lambda w: ddp(args, w),
         "downpour": lambda w: downpour(args, w, None),
         "downpour-noeval": lambda w: downpour(args, w, 1000.0),
+        "downpour-freeing": lambda w: downpour(args, w, None, freeing=True),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
@@ -321,6 +334,10 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
         print(f"   downpour / single-all samples/s = {dp / allc:.2f}")
     if dp and dd:
         print(f"   downpour / ddp samples/s = {dp / dd:.2f}")
+    freeing = med("downpour-freeing")
+    if dp and freeing:
+        print(f"   keeping freed memory: downpour / downpour-freeing samples/s = "
+              f"{dp / freeing:.2f}")
     noeval = med("downpour-noeval")
     if dp and noeval:
         print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")
@@ -336,7 +353,7 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     if sp and sa:
         print(f"   samples to {args.target:.0%} (at the evaluation that saw it): "
               f"downpour / single-all = {sp / sa:.2f}")
-    for method in ("downpour", "downpour-noeval", "downpour-gpu"):
+    for method in ("downpour", "downpour-noeval", "downpour-freeing", "downpour-gpu"):
         for r in res.get(method, []):
             if r.get("breakdown"):
                 total = sum(r["breakdown"].values())
