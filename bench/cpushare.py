@@ -9,8 +9,10 @@ thread in the driver reads every process's user+system CPU time from ``/proc`` e
 (Linux only). Over the
 training window (the ``placement`` event to the last step event) it prints each process
 kind's CPU seconds and share of what the machine's cores could give (``idle`` is the rest),
-and the replicas' CPU per step against the step events' ``compute_s``: what a replica spends
-beyond its forward and backward pass, and how much of the machine nobody used. The baseline
+and the replicas' CPU and minor page faults per step against the step events' ``compute_s``:
+what a replica spends beyond its forward and backward pass, and how much of the machine nobody
+used (``DISTBELIEF_KEEP_FREED_MEMORY=0`` in the environment shows the faults that
+:mod:`distbelief.allocator` removes). The baseline
 in the same run is the cores themselves (their CPU seconds over the window). The driver's
 row includes this sampler's own reads of /proc.
 """
@@ -34,8 +36,8 @@ KINDS = ("ray::ReplicaLoop", "ray::ParameterShard", "ray::EvalWorker", "raylet",
          "dashboard", "log_monitor", "ray::IDLE")
 
 
-def cpu_by_pid() -> dict[int, tuple[float, str]]:
-    """Every process's CPU seconds (user + system) and command line."""
+def cpu_by_pid() -> dict[int, tuple[float, str, int]]:
+    """Every process's CPU seconds (user + system), command line and minor page faults."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -48,7 +50,7 @@ def cpu_by_pid() -> dict[int, tuple[float, str]]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        out[int(pid)] = ((int(fields[11]) + int(fields[12])) / HZ, cmd)
+        out[int(pid)] = ((int(fields[11]) + int(fields[12])) / HZ, cmd, int(fields[7]))
     return out
 
 
@@ -87,8 +89,10 @@ def one_run(args) -> None:
     end = max(e["t"] for e in steps)
     (t0, a), (t1, b) = (min(samples, key=lambda s: abs(s[0] - t)) for t in (start, end))
     used: collections.Counter = collections.Counter()
-    for pid, (cpu, cmd) in b.items():
-        used[kind(pid, cmd)] += cpu - a.get(pid, (0.0, cmd))[0]
+    faults: collections.Counter = collections.Counter()
+    for pid, (cpu, cmd, flt) in b.items():
+        used[kind(pid, cmd)] += cpu - a.get(pid, (0.0, cmd, 0))[0]
+        faults[kind(pid, cmd)] += flt - a.get(pid, (0.0, cmd, flt))[2]
     cores = os.cpu_count() or 1
     window = max(1e-9, t1 - t0)
     print(f"{args.workload}: {args.replicas} replicas x {args.shards} shards, "
@@ -105,7 +109,8 @@ def one_run(args) -> None:
         compute = statistics.fmean(e["compute_s"] for e in in_window)
         print(f"  replica CPU per step {per_step * 1e3:.1f} ms; its step events' compute_s "
               f"{compute * 1e3:.1f} ms (wall), push wait "
-              f"{statistics.fmean(e['push_wait_s'] for e in in_window) * 1e3:.1f} ms")
+              f"{statistics.fmean(e['push_wait_s'] for e in in_window) * 1e3:.1f} ms; "
+              f"{faults['ray::ReplicaLoop'] / len(in_window):.0f} minor page faults")
 
 
 def main() -> None:
