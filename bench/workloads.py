@@ -15,7 +15,8 @@ Every method trains the same seeded initial model on the same number of samples:
   thread and with ``--replicas`` threads. The cores' limit for R single-threaded workers is R x the
   one-thread rate of the same run.
 - ``ddp``: PyTorch DistributedDataParallel over gloo on 127.0.0.1, R processes of 1 thread.
-- ``downpour``: ``DownpourSGD`` with R replicas and S shards and its default evaluation, and
+- ``downpour``: ``DownpourSGD`` with R replicas and S shards (``--n-fetch``, ``--n-push``:
+  its defaults, 1) and its default evaluation, and
   ``downpour-noeval`` with evaluation every 1000 s (what evaluation costs); name
   ``downpour-freeing`` in ``--methods`` for Downpour with glibc's default malloc thresholds in
   its actors (what :mod:`distbelief.allocator` buys).
@@ -220,6 +221,7 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
     ds = data.load("mnist")
     steps = getattr(args, batches) // args.replicas
     extra = {} if eval_every_s is None else {"eval_every_s": eval_every_s}
+    extra.update(n_fetch=args.n_fetch, n_push=args.n_push)
     if gpu:
         extra.update(device="cuda", gpus_per_replica=1 / args.replicas)
     with tempfile.TemporaryDirectory() as tmp:
@@ -238,9 +240,10 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
     step_events = [e for e in events if e["event"] == "step"]
     last = max(e["t"] for e in step_events)
     # periodic evaluations at the time their fetch began, with the samples the shards had
-    # applied (each push counts once per shard); the final one (written after the
+    # applied (each push counts once per shard and carries n_push steps); the final one (written after the
     # whole-test-set evaluation and the shutdown) at the end of training, as for the others
-    curve = [(e["t"] - start, e["test_accuracy"], e["updates"] // args.shards * batch)
+    curve = [(e["t"] - start, e["test_accuracy"],
+              e["updates"] // args.shards * batch * args.n_push)
              for e in events
              if e["event"] == "eval" and "test_accuracy" in e and e["t"] >= start]
     curve.append((last - start, result.test_accuracy, steps * args.replicas * batch))
@@ -263,6 +266,8 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--cnn-batches", type=int, default=600, help="mini-batches in all")
     parser.add_argument("--mlp-batches", type=int, default=120, help="mini-batches in all")
+    parser.add_argument("--n-fetch", type=int, default=1, help="Downpour's n_fetch")
+    parser.add_argument("--n-push", type=int, default=1, help="Downpour's n_push")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--eval-every", type=float, default=0.5,
                         help="least seconds between evaluations of one process and DDP rank 0")
