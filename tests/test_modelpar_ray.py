@@ -126,6 +126,47 @@ def test_each_partition_fetches_and_pushes_exactly_its_own_parameters():
         np.testing.assert_allclose(after[n], (p - p.grad).detach().numpy(), atol=1e-5)
 
 
+def test_a_partition_fetch_sent_early_sees_the_push_before_it_and_is_not_sent_again():
+    """The replica's prefetch (n_fetch > 1): each partition sends its next fetch right after
+    its last push, the step between computes, and the fetching step takes those values."""
+    from distbelief.modelpar.host import PartitionedHost
+
+    model, x = lc2d()
+    model, x = model.float(), x.float()
+    names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    shard_plan, plan = ShardPlan.build(names, 3), plan_spatial(model, 2)
+    flat = shard_plan.flatten({n: p.detach().numpy() for n, p in model.named_parameters()})
+    shards = [ParameterShard.remote(i, part, "sgd", 1.0, 0.0, rows=True)
+              for i, part in enumerate(shard_plan.split_flat(flat))]
+    bounds = shard_plan.bounds
+    asked = [{s for s in range(3) for lo, hi in owned_ranges(plan.params(k), shard_plan)[1]
+              if lo < bounds[s + 1] and hi > bounds[s]} for k in range(2)]
+    host = PartitionedHost(copy.deepcopy(model), shard_plan, shards, plan)
+    try:
+        host.fetch()
+        host.forward_backward(x, loss_of)
+        host.end_step(True, None, fetch_next=False)  # the last push before the fetch
+        host.prefetch()  # sent after that push
+        host.forward_backward(x, loss_of)  # the step between, computed meanwhile
+        host.end_step(False, None, fetch_next=True)
+        host.fetch()  # takes the prefetched values: no call of its own
+        host.forward_backward(x, loss_of)
+        stats = ray.get([s.stats.remote() for s in shards])
+        params, _ = host.group.gather()
+        parts = [ray.get(s.fetch.remote())[1] for s in shards]
+    finally:
+        host.group.kill()
+        for s in shards:
+            ray.kill(s)
+    # every partition's push reached its shards before that partition's early fetch
+    assert host.versions() == [sum(s in a for a in asked) for s in range(3)]
+    # each partition asked each of its shards twice: the first fetch and the early one
+    assert [st["fetches"] for st in stats] == [2 * sum(s in a for a in asked) for s in range(3)]
+    after = shard_plan.assemble(parts)
+    for n, p in params.items():
+        np.testing.assert_allclose(p.numpy(), after[n], rtol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def digits():
     return data.digits()
@@ -143,6 +184,20 @@ def test_downpour_with_model_parallel_replicas_trains_lc_on_digits(digits):
     assert steps[0]["naive_bytes"] == plan.naive_bytes(32, 4) > steps[0]["boundary_bytes"]
     assert all(c["pushes"] == 150 and c["rejected"] == 0
                for c in result.replica_counters.values())
+
+
+def test_model_parallel_replicas_run_with_early_fetches_between_pushes(digits):
+    """n_fetch 5, n_push 2: the push at step 5k + 3 is the last before the fetch at 5k + 5,
+    so the replica sends that fetch early (PartitionedHost.prefetch); the run's counts hold."""
+    model = models.lc(digits.features, 4, digits.classes, 0)
+    result = DownpourSGD(model, replicas=1, partitions=2, shards=2, steps=60, n_fetch=5,
+                         n_push=2).fit(digits.x_train, digits.y_train, digits.x_test,
+                                       digits.y_test)
+    [counters] = result.replica_counters.values()
+    assert (counters["fetches"], counters["pushes"], counters["rejected"]) == (12, 30, 0)
+    steps = [e for e in result.events if e["event"] == "step"]
+    assert [e["step"] for e in steps if e["fetched"]] == list(range(0, 60, 5))
+    assert result.test_accuracy > 0.5
 
 
 def test_a_killed_partition_restarts_its_replica_and_the_run_finishes(digits):

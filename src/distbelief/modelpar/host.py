@@ -48,6 +48,12 @@ class PartitionedHost:
         self.fetch_refs = self.group.fetch()  # each partition, before its next round
         return {}
 
+    def prefetch(self) -> None:
+        """Each partition sends its next fetch now, after its last push before it (the
+        replica calls this, as for :class:`~distbelief.ps.host.FlatHost`); the partition
+        waits for it at the fetching step, while the steps between compute."""
+        self.group.prefetch()
+
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         self.batch_rows = len(x)
         loss = self.group.step(x, loss_of)

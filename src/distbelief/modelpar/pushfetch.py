@@ -14,11 +14,22 @@ class PartitionPushFetch(PartitionCore):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.since_push = 0  # steps accrued since the last push
+        self._prefetched: tuple | None = None  # a fetch in flight for the next fetching step
 
     def fetch(self) -> list[int]:
-        """Overwrite this partition's parameters with the shards' values; returns versions."""
-        self._load(self.client.fetch_ranges(self.ranges))
+        """Overwrite this partition's parameters with the shards' values; returns versions.
+        Waits for the fetch :meth:`prefetch` sent, if any, instead of sending one."""
+        sent, self._prefetched = self._prefetched, None
+        self._load(self.client.fetch_ranges_finish(sent) if sent is not None
+                   else self.client.fetch_ranges(self.ranges))
         return list(self.client.versions)
+
+    def prefetch(self) -> None:
+        """Send the next fetch now, while the steps before it compute; called after the last
+        push before that fetch, so it sees that push (a shard serves one caller's calls in
+        order). :meth:`fetch` waits for it."""
+        if self.client is not None:
+            self._prefetched = self.client.fetch_ranges_start(self.ranges)
 
     def end_step(self, push: bool, local_lr: float | None) -> None:
         """Accrue this step's gradients; push them if ``push``; apply them locally with plain

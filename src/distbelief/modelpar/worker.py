@@ -107,6 +107,11 @@ class PartitionGroup:
         for w in self.workers:
             w.end_step.remote(push, local_lr)
 
+    def prefetch(self) -> None:
+        """Every partition sends its next fetch after its last push (not waited for)."""
+        for w in self.workers:
+            w.prefetch.remote()
+
     def counters(self) -> list[dict]:
         return ray.get([w.counters.remote() for w in self.workers])
 

@@ -59,9 +59,7 @@ class PSClient:
         self.plan = plan
         self.replica = replica
         self.versions = [0] * plan.shards
-        self.fetches = 0
-        self.pushes = 0
-        self.rejected = 0
+        self.fetches = self.pushes = self.rejected = 0
         self.grad_dtype = grad_dtype
         self.max_in_flight = max(1, int(max_in_flight))
         self._in_flight: deque[list[Call]] = deque()
@@ -69,10 +67,8 @@ class PSClient:
         self.resend, self.directory, self.resent = resend, directory, 0
         self._one_node: bool | None = None  # all shards on one node: one object per push
         self.names = list(names) if names is not None else None
-        self.dropped = 0
+        self.dropped = self.retried = self.reconnects = 0
         self.dropped_by_shard = [0] * plan.shards
-        self.retried = 0
-        self.reconnects = 0
         self._dead: set[int] = set()  # shards whose restart this client has yet to reach
         self.buffers: tuple | None = None  # the model buffers shard 0 sent with a fetch
 
@@ -124,9 +120,8 @@ class PSClient:
         ``max_in_flight`` earlier pushes are still being applied. ``buffers`` (a buffer
         report, see :mod:`distbelief.ps.buffers`) goes to shard 0 with its part.
         """
-        more = [{} for _ in self.shards]
-        if buffers is not None:
-            more[0] = {"buffers": buffers}
+        more = [{"buffers": buffers} if buffers is not None and s == 0 else {}
+                for s in range(len(self.shards))]
         self._drain(self.max_in_flight - 1)
         if self._dead:
             self._reconnect_dead()
@@ -158,8 +153,7 @@ class PSClient:
         self._drain(0)
         if self._dead:
             self._reconnect_dead()
-        bounds, pid = self.plan.bounds, self._next_id()
-        calls = []
+        bounds, pid, calls = self.plan.bounds, self._next_id(), []
         for s, (lo, hi, version) in enumerate(zip(bounds, bounds[1:], self.versions)):
             part = encode(flat_grad[lo:hi], self.grad_dtype)
             if part.nbytes > INLINE_BYTES:
@@ -215,15 +209,21 @@ class PSClient:
 
     def fetch_ranges(self, ranges: list[tuple[int, int]]) -> np.ndarray:
         """The concatenated values of global flat ``ranges``, fetched from their shards only."""
+        return self.fetch_ranges_finish(self.fetch_ranges_start(ranges))
+
+    def fetch_ranges_start(self, ranges: list[tuple[int, int]]) -> tuple[list[int], list]:
+        """Send :meth:`fetch_ranges`'s calls, after every push sent before them; don't wait."""
         local = self.local_ranges(ranges)
         asked = [s for s, r in enumerate(local) if r]
-        replies = ray.get([self.shards[s].fetch_ranges.remote(local[s]) for s in asked])
+        return asked, [self.shards[s].fetch_ranges.remote(local[s]) for s in asked]
+
+    def fetch_ranges_finish(self, sent: tuple[list[int], list]) -> np.ndarray:
+        """Wait for :meth:`fetch_ranges_start`'s calls; the concatenated values."""
+        asked, replies = sent[0], ray.get(sent[1])
         for s, (version, _) in zip(asked, replies):
             self.versions[s] = version
         self.fetches += 1
-        if not replies:
-            return np.zeros(0, dtype=np.float32)
-        return np.concatenate([part for _, part in replies])
+        return np.concatenate([np.zeros(0, np.float32), *(part for _, part in replies)])
 
     def push_ranges(self, ranges: list[tuple[int, int]], grad: np.ndarray) -> None:
         """Push the gradient of global flat ``ranges`` (concatenated) to the shards owning them."""
