@@ -240,8 +240,9 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
     step_events = [e for e in events if e["event"] == "step"]
     last = max(e["t"] for e in step_events)
     # periodic evaluations at the time their fetch began, with the samples the shards had
-    # applied (each push counts once per shard and carries n_push steps); the final one (written after the
-    # whole-test-set evaluation and the shutdown) at the end of training, as for the others
+    # applied (each push counts once per shard and carries n_push steps); the final one
+    # (written after the whole-test-set evaluation and the shutdown) at the end of
+    # training, as for the others
     curve = [(e["t"] - start, e["test_accuracy"],
               e["updates"] // args.shards * batch * args.n_push)
              for e in events
