@@ -142,7 +142,7 @@ class PrefetchHost:
         self.calls.append(("fetch",))
         return {}
 
-    def prefetch(self):
+    def prefetch(self, upcoming):
         self.calls.append(("prefetch",))
 
     def forward_backward(self, x, loss_of):
@@ -182,6 +182,41 @@ def test_the_next_fetch_is_sent_right_after_the_last_push_before_it():
     # each early fetch is sent before the computes of the steps before its fetching step
     assert computes[3] > prefetches[0] > computes[2] and fetches[1] < computes[4]
     assert computes[6] > prefetches[1] > computes[5] and fetches[2] < computes[8]
+
+
+class WindowHost(PrefetchHost):
+    """A PrefetchHost that asks, like RowSparseHost, for the inputs of the batches until the
+    next fetch: at each fetch and at each early fetch; records them and each step's inputs."""
+
+    def fetch(self, upcoming):
+        self.calls.append(("fetch", upcoming()))
+        return {}
+
+    def prefetch(self, upcoming):
+        self.calls.append(("prefetch", upcoming()))
+
+    def forward_backward(self, x, loss_of):
+        self.calls.append(("compute", x.numpy()))
+        return float(loss_of(torch.zeros(len(x), 2)))
+
+
+def test_an_early_fetch_is_given_the_batches_its_fetching_step_and_the_steps_after_use():
+    cfg = TrainConfig(replicas=1, batch_size=2, n_fetch=4, n_push=3, lr=0.1)
+    x = np.arange(64, dtype=np.float32).reshape(32, 2)  # every row tells which it is
+    loop = ReplicaLoop(0, WindowHost, torch.nn.CrossEntropyLoss(), x, np.zeros(32, np.int64),
+                       cfg)
+    loop.run(12)
+    calls = loop.host.calls
+    computed = [c[1] for c in calls if c[0] == "compute"]
+    windows = {"fetch": [], "prefetch": []}
+    for c in calls:
+        if c[0] in windows:
+            windows[c[0]].append(c[1])
+    assert len(windows["fetch"]) == 3 and len(windows["prefetch"]) == 2  # as above
+    for k, window in enumerate(windows["fetch"]):  # steps 4k .. 4k + 3
+        np.testing.assert_array_equal(window, np.concatenate(computed[4 * k: 4 * k + 4]))
+    for early, fetched in zip(windows["prefetch"], windows["fetch"][1:]):
+        np.testing.assert_array_equal(early, fetched)
 
 
 @pytest.mark.parametrize("n_fetch, n_push", [(1, 1), (3, 1), (2, 2), (3, 3), (1, 4)])

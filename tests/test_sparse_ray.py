@@ -92,6 +92,23 @@ def test_sparse_downpour_reaches_the_truths_auc_and_keeps_rows_off_the_replicas(
     assert auc(data.y_test, logits.numpy()) == pytest.approx(result.test_auc, abs=1e-6)
 
 
+def test_a_sparse_replica_sends_the_next_fetch_with_its_rows_early(ray_local):
+    """n_fetch 4, n_push 3 over 24 steps: the pushes at steps 2, 5, 14 and 17 are the last
+    before the fetches at 4, 8, 16 and 20, so those fetches (dense parameters and the rows of
+    their 4 batches) are sent right after them; each fetching step takes the one sent."""
+    data = synthetic_ctr(4_000, rows=500, seed=2)
+    model = WideAndDeep(data.rows, data.fields, hidden=8, seed=2)
+    result = SparseDownpourSGD(model, replicas=1, shards=2, batch_size=64, steps=24, lr=0.1,
+                               n_fetch=4, n_push=3).fit(data.ids_train, data.y_train,
+                                                        data.ids_test, data.y_test)
+    [c] = result.replica_counters.values()
+    assert (c["fetches"], c["sparse_fetches"], c["early_fetches"]) == (6, 6, 4)
+    assert (c["pushes"], c["rejected"]) == (8, 0)
+    steps = [e for e in result.events if e["event"] == "step"]
+    assert [e["step"] for e in steps if e["fetched"]] == [0, 4, 8, 12, 16, 20]
+    assert all(e["rows"] > 0 for e in steps if e["fetched"])
+
+
 def test_non_integer_or_out_of_range_ids_are_refused_before_training(ray_local):
     model = WideAndDeep(100, 2, hidden=0)
     trainer = SparseDownpourSGD(model, replicas=1, shards=1, steps=1)

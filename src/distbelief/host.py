@@ -35,7 +35,11 @@ class ParamHost(Protocol):
     def fetch(self, upcoming: Callable[[], np.ndarray]) -> dict:
         """Start (or do) a fetch of fresh parameters, ready before the next forward pass.
         ``upcoming()`` gives the inputs of the batches until the next fetch, for a host that
-        fetches only what they use. Returns extra fields for this step's event."""
+        fetches only what they use. Returns extra fields for this step's event.
+
+        A host may also offer ``prefetch(upcoming)``: send the next fetch early, right after
+        the last push before it (``upcoming()``: that fetch's batches' inputs), for
+        :meth:`fetch` to wait for (every host here does)."""
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         """Forward ``x``, ``loss_of(output)``, backward; the step's gradient is kept (and

@@ -115,7 +115,7 @@ class ReplicaLoop:
             local = cfg.local_update and not fetch_next
             self.host.end_step(pushed, cfg.lr if local else None, fetch_next)
             if pushed and self.prefetch is not None and self._no_push_before_fetch():
-                self.prefetch()
+                self.prefetch(self._next_window)
             push_wait = time.perf_counter() - computed
             if self.slow > 1.0 and self.step > self.first_step:  # the first is start-up
                 time.sleep((self.slow - 1.0) * (time.perf_counter() - began))
@@ -145,6 +145,14 @@ class ReplicaLoop:
         gets its parameters from a fused push+fetch)."""
         next_fetch = (self.step // self.cfg.n_fetch + 1) * self.cfg.n_fetch
         return self.step + 1 < next_fetch <= self.step + self.cfg.n_push
+
+    def _next_window(self) -> np.ndarray:
+        """At the end of a step, the inputs of the batches from the next fetch on until the
+        one after it (drawn ahead, after the rest of this fetch's batches)."""
+        skip = (self.step // self.cfg.n_fetch + 1) * self.cfg.n_fetch - self.step - 1
+        while len(self.ahead) < skip + self.cfg.n_fetch:
+            self.ahead.append(self._draw())
+        return np.concatenate([x for x, _ in list(self.ahead)[skip: skip + self.cfg.n_fetch]])
 
     def _upcoming(self) -> np.ndarray:
         """The inputs of the batches from this step until the next fetch (drawn ahead)."""

@@ -48,7 +48,7 @@ class PartitionedHost:
         self.fetch_refs = self.group.fetch()  # each partition, before its next round
         return {}
 
-    def prefetch(self) -> None:
+    def prefetch(self, upcoming: Callable[[], np.ndarray] | None = None) -> None:
         """Each partition sends its next fetch now, after its last push before it (the
         replica calls this, as for :class:`~distbelief.ps.host.FlatHost`); the partition
         waits for it at the fetching step, while the steps between compute."""

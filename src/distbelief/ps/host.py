@@ -92,10 +92,11 @@ class FlatHost:
         if self.buffers is not None:
             self.buffers.load(self.client.buffers)
 
-    def prefetch(self) -> None:
+    def prefetch(self, upcoming: Callable[[], np.ndarray] | None = None) -> None:
         """Send the next fetch now, while the steps before it compute; the loop calls it
         right after the last push before that fetch, so it sees every push this replica
-        sent (a shard serves one caller's calls in order). :meth:`fetch` waits for it."""
+        sent (a shard serves one caller's calls in order). :meth:`fetch` waits for it.
+        ``upcoming`` (the inputs of the batches from that fetch on) is not needed here."""
         if self.buffers is None:  # a model with buffers fetches them with its parameters
             self._prefetched = self.client.fetch_start()
 

@@ -38,19 +38,36 @@ class RowSparseHost:
         self.modules = sparse_modules(model)
         self.sparse = SparseClient(row_shards, specs, replica=replica)
         self.accrued_rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+        self._prefetched: tuple | None = None  # (rows, pending fetch) sent by prefetch
+        self.early_fetches = 0  # fetches that took what prefetch sent
 
     def partitions(self) -> list:
         return []
 
     def fetch(self, upcoming: Callable[[], np.ndarray]) -> dict:
-        """Dense parameters and the rows of the upcoming batches, one round trip."""
+        """Dense parameters and the rows of the upcoming batches, one round trip: the one
+        :meth:`prefetch` sent if it asked for the same rows, else one sent now."""
         rows = np.unique(upcoming())
-        pending = self.sparse.fetch_begin({m.spec.name: rows for m in self.modules})
+        sent, self._prefetched = self._prefetched, None
+        if sent is not None and np.array_equal(sent[0], rows):
+            pending = sent[1]
+            self.early_fetches += 1
+        else:  # no early fetch, or its batches changed (a new data slot): its rows go unused
+            pending = self.sparse.fetch_begin({m.spec.name: rows for m in self.modules})
         self.dense.fetch()
         values = self.sparse.fetch_end(pending)
         for m in self.modules:
             m.load(rows, values[m.spec.name])
         return {"rows": int(rows.size)}
+
+    def prefetch(self, upcoming: Callable[[], np.ndarray]) -> None:
+        """Send the next fetch now, dense parameters and the rows of ``upcoming()`` (the
+        batches from that fetch on), after the last push before it (so it sees that push),
+        while the steps before it compute; :meth:`fetch` takes it."""
+        rows = np.unique(upcoming())
+        self.dense.prefetch()
+        self._prefetched = rows, self.sparse.fetch_begin({m.spec.name: rows
+                                                          for m in self.modules})
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         for m in self.modules:
@@ -97,7 +114,7 @@ class RowSparseHost:
     def counters(self) -> dict:
         c, s = self.dense.client, self.sparse
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected + s.rejected,
-                **s.counters(), "last_rejection": s.last_rejection, "rss_bytes": rss_bytes()}
+                **s.counters(), "early_fetches": self.early_fetches, "last_rejection": s.last_rejection, "rss_bytes": rss_bytes()}
 
     def load_vector(self, name: str) -> None:
         raise NotImplementedError("Sandblaster does not train sparse tables")
