@@ -114,7 +114,8 @@ class RowSparseHost:
     def counters(self) -> dict:
         c, s = self.dense.client, self.sparse
         return {"fetches": c.fetches, "pushes": c.pushes, "rejected": c.rejected + s.rejected,
-                **s.counters(), "early_fetches": self.early_fetches, "last_rejection": s.last_rejection, "rss_bytes": rss_bytes()}
+                **s.counters(), "early_fetches": self.early_fetches,
+                "last_rejection": s.last_rejection, "rss_bytes": rss_bytes()}
 
     def load_vector(self, name: str) -> None:
         raise NotImplementedError("Sandblaster does not train sparse tables")
