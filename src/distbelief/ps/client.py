@@ -120,27 +120,33 @@ class PSClient:
         ``max_in_flight`` earlier pushes are still being applied. ``buffers`` (a buffer
         report, see :mod:`distbelief.ps.buffers`) goes to shard 0 with its part.
         """
-        more = [{"buffers": buffers} if buffers is not None and s == 0 else {}
-                for s in range(len(self.shards))]
         self._drain(self.max_in_flight - 1)
         if self._dead:
             self._reconnect_dead()
-        bounds, refs, pid = self.plan.bounds, [], self._next_id()
+        self._in_flight.append(self._calls("push", flat_grad, buffers))
+
+    def _calls(self, method: str, flat_grad: np.ndarray, buffers: tuple | None) -> list[Call]:
+        """A ``method`` call per shard: its part of ``flat_grad`` (encoded), one push id,
+        ``buffers`` to shard 0. Parts too large to inline are one object for shards sharing
+        a node (``push_part``/``push_part_fetch`` read their own part of it), else one each."""
+        bounds, pid = self.plan.bounds, self._next_id()
+        more = [{"buffers": buffers} if buffers is not None and s == 0 else {}
+                for s in range(len(self.shards))]
         if self._one_node is None:
             self._one_node = len(self.shards) > 1 and len(set(ray.get(
                 [s.node.remote() for s in self.shards]))) == 1
         if self._one_node and flat_grad.nbytes > INLINE_BYTES:
             whole = ray.put(encode(flat_grad, self.grad_dtype))
-            self._in_flight.append([
-                self._call(s, "push_part", (whole, lo, version, self.replica), kw | pid)
-                for s, (lo, version, kw) in enumerate(zip(bounds, self.versions, more))])
-            return
+            return [self._call(s, method.replace("push", "push_part"),
+                               (whole, lo, version, self.replica), kw | pid)
+                    for s, (lo, version, kw) in enumerate(zip(bounds, self.versions, more))]
+        calls = []
         for s, (lo, hi, version, kw) in enumerate(zip(bounds, bounds[1:], self.versions, more)):
             part = encode(flat_grad[lo:hi], self.grad_dtype)
             if part.nbytes > INLINE_BYTES:
                 part = ray.put(part)
-            refs.append(self._call(s, "push", (part, version, self.replica), kw | pid))
-        self._in_flight.append(refs)
+            calls.append(self._call(s, method, (part, version, self.replica), kw | pid))
+        return calls
 
     def push_fetch_into(self, flat_grad: np.ndarray, flat: np.ndarray,
                         buffers: tuple | None = None) -> list[int]:
@@ -153,13 +159,7 @@ class PSClient:
         self._drain(0)
         if self._dead:
             self._reconnect_dead()
-        bounds, pid, calls = self.plan.bounds, self._next_id(), []
-        for s, (lo, hi, version) in enumerate(zip(bounds, bounds[1:], self.versions)):
-            part = encode(flat_grad[lo:hi], self.grad_dtype)
-            if part.nbytes > INLINE_BYTES:
-                part = ray.put(part)
-            kw = {"buffers": buffers} if buffers is not None and not calls else {}
-            calls.append(self._call(s, "push_fetch", (part, version, self.replica), kw | pid))
+        bounds, calls = self.plan.bounds, self._calls("push_fetch", flat_grad, buffers)
         for s, ((_, ref, call), lo, hi) in enumerate(zip(calls, bounds, bounds[1:])):
             try:
                 applied, version, part, *served = (

@@ -136,6 +136,14 @@ class PushFetch(ShardSlice):
             grad = grad[lo: lo + self.params.size]
         return self.push(grad, fetched_version, replica, buffers, pid)
 
+    def push_part_fetch(self, grad: np.ndarray, lo: int, fetched_version: int,
+                        replica: int = -1, buffers: tuple | None = None,
+                        pid: PushId | None = None) -> tuple:
+        """:meth:`push_part`, then :meth:`fetch`, in one call (:meth:`push_fetch` of one
+        object holding every shard's part, as a client on the shards' node sends it)."""
+        applied = self.push_part(grad, lo, fetched_version, replica, buffers, pid)
+        return (applied, *self.fetch(buffers is not None, replica))
+
     def fetch_ranges(self, ranges: list[tuple[int, int]]) -> tuple[int, np.ndarray]:
         """Current version and the concatenated values of ``ranges`` (a copy)."""
         self.fetches += 1
