@@ -29,7 +29,7 @@ event for Downpour, after the barrier for DDP, after model construction for one 
 Time to ``--target`` is the first evaluation at or above it, and "samples" the training
 samples the model had seen then. Every method evaluates by the same rule, inside its clock:
 Downpour as its defaults do (each evaluation at the time its fetch began, spaced so that it
-takes at most ``--eval-budget`` = 5% of the job's CPU time); one process and DDP rank 0 by
+takes at most ``--eval-budget`` = 3% of the job's CPU time); one process and DDP rank 0 by
 that rule too (``--baseline-eval budget``: the same budget of their cores, the CPU time an
 evaluation took) or every ``--eval-every`` seconds (``--baseline-eval period``, the rule
 before 2026-12-06, under which one process of one thread, scoring 1,000 rows in one pass,
@@ -276,7 +276,7 @@ def main() -> None:
                         help="how one process and DDP rank 0 space their evaluations: by "
                         "Downpour's rule (--eval-budget of their cores' CPU time) or every "
                         "--eval-every seconds")
-    parser.add_argument("--eval-budget", type=float, default=0.05,
+    parser.add_argument("--eval-budget", type=float, default=0.03,
                         help="with --baseline-eval budget: Downpour's default --eval-budget")
     parser.add_argument("--methods", nargs="+",
                         default=["single-1t", "single-all", "ddp", "downpour", "downpour-noeval"],

@@ -3,7 +3,8 @@
 During a Downpour run an :data:`EvalActor` fetches the shards' current parameters itself
 and scores a fixed seeded sample of the test set; the driver only submits to it and
 collects its reply in the same ``ray.wait`` as the replicas' segments. :class:`EvalBudget`
-says when the next evaluation may start: an evaluation that used ``c`` CPU seconds starts
+says when the next evaluation may start: an evaluation that cost ``c`` seconds (its CPU
+time plus its fetch's wall time, which stands for the shards' work serving the fetch) starts
 the next one no sooner than ``c / budget`` seconds after it began, so evaluating takes at
 most ``budget`` of the CPU time the job has (``budget`` = ``--eval-budget`` times the job's
 cores, :func:`job_cores`), never before the last one finished and never sooner than
@@ -103,13 +104,14 @@ def one_thread() -> Iterator[None]:
 def score_now(evaluator, handles: list) -> dict:
     """Fetch from the shards with actor ``handles`` into ``evaluator`` and score it: the
     scores, the shard versions, when the fetch began (``t``, seconds since the epoch), the
-    evaluation's wall time (``duration_s``) and CPU time of the calling thread (``cpu_s``).
-    A dead shard raises ``RayActorError``."""
+    evaluation's wall time (``duration_s``), the fetch's (``fetch_s``) and the CPU time of
+    the calling thread (``cpu_s``). A dead shard raises ``RayActorError``."""
     began, cpu, t = time.perf_counter(), time.thread_time(), time.time()
     averaged = evaluator.average is not None
     versions = evaluator.load(handles, averaged)
+    fetched = time.perf_counter()
     scores = {**evaluator.score(None), **evaluator.evaluated_field(averaged)}
-    return {"t": t, "versions": versions, "scores": scores,
+    return {"t": t, "versions": versions, "scores": scores, "fetch_s": fetched - began,
             "duration_s": time.perf_counter() - began, "cpu_s": time.thread_time() - cpu}
 
 
@@ -311,12 +313,17 @@ class Evaluations:
 
     def _log(self, reply: dict, started: float) -> None:
         """Log a :func:`score_now` reply as an ``eval`` event; the next one is due as the
-        budget says for one ``started`` then."""
+        budget says for one ``started`` then. An evaluation's cost is its CPU time plus its
+        fetch's wall time (``cost_s`` in the event): the fetch also costs the shards the
+        work of serving it (copying their slices into the object store), which the
+        evaluator's own CPU time does not see."""
         t, versions, scores = reply["t"], reply["versions"], reply["scores"]
+        cost = reply["cpu_s"] + reply["fetch_s"]
         self.job.log("eval", t=t, updates=sum(versions), versions=versions,
-                     elapsed_s=t - self.job.began, **self.fields, **scores)
+                     elapsed_s=t - self.job.began, cost_s=round(cost, 4), **self.fields,
+                     **scores)
         self.job.evaluated(scores)
-        self.budget.done(started, reply["duration_s"], reply["cpu_s"])
+        self.budget.done(started, reply["duration_s"], cost)
 
     def stop(self, collect: bool = False) -> None:
         """End the evaluator actor; with ``collect`` first wait for the running evaluation
