@@ -205,7 +205,8 @@ class TrainConfig:
                                       "rejection checks")
     # evaluation off the critical path (downpour: an evaluator actor, issue 16)
     # 3%, not 5%: at 5% the 17M MLP's evaluations cost it 6-7% of its throughput (their
-    # passes also slow the replicas beside them); at 3%, 0-3% (BENCHMARKS.md, 2026-12-07)
+    # passes also slow the replicas beside them); at 3%, 3% in the median of six runs
+    # (BENCHMARKS.md, 2026-12-07)
     eval_budget: float = option(0.03, section="run", metavar="FRACTION",
                                 help="downpour: most of the job's CPU time (its cores x "
                                      "wall time) the evaluator actor may spend evaluating "
