@@ -123,6 +123,11 @@ def test_push_fetch_to_a_dead_shard_is_dropped_counted_and_refetched_from_its_re
     flat = np.empty(6, np.float32)
     client.push_fetch_into(np.ones(6, np.float32), flat)
     ray.kill(shards[1])
+    while True:  # ray.kill is asynchronous: a call sent at once may still be served
+        try:
+            ray.get(shards[1].pid.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            break
     restarted = []
 
     def restart():  # what the driver does: a new shard under the dead one's name
