@@ -143,22 +143,27 @@ class ReplicaLoop:
         """Whether the push just sent at the end of this step is the last one before the
         next fetch, and that fetch is not at the very next step (which fetches anyway, or
         gets its parameters from a fused push+fetch)."""
-        next_fetch = (self.step // self.cfg.n_fetch + 1) * self.cfg.n_fetch
-        return self.step + 1 < next_fetch <= self.step + self.cfg.n_push
+        return self.step + 1 < self._next_fetch() <= self.step + self.cfg.n_push
+
+    def _next_fetch(self) -> int:
+        """The step of the first fetch after this step."""
+        return (self.step // self.cfg.n_fetch + 1) * self.cfg.n_fetch
 
     def _next_window(self) -> np.ndarray:
         """At the end of a step, the inputs of the batches from the next fetch on until the
-        one after it (drawn ahead, after the rest of this fetch's batches)."""
-        skip = (self.step // self.cfg.n_fetch + 1) * self.cfg.n_fetch - self.step - 1
+        one after it (after the rest of this fetch's batches)."""
+        return self._window(self._next_fetch() - self.step - 1)
+
+    def _upcoming(self) -> np.ndarray:
+        """The inputs of the batches from this step until the next fetch."""
+        return self._window(0)
+
+    def _window(self, skip: int) -> np.ndarray:
+        """The inputs of ``n_fetch`` batches, the first ``skip`` batches after this one
+        (drawn ahead as needed)."""
         while len(self.ahead) < skip + self.cfg.n_fetch:
             self.ahead.append(self._draw())
         return np.concatenate([x for x, _ in list(self.ahead)[skip: skip + self.cfg.n_fetch]])
-
-    def _upcoming(self) -> np.ndarray:
-        """The inputs of the batches from this step until the next fetch (drawn ahead)."""
-        while len(self.ahead) < self.cfg.n_fetch:
-            self.ahead.append(self._draw())
-        return np.concatenate([x for x, _ in list(self.ahead)[: self.cfg.n_fetch]])
 
     def data_counters(self) -> dict:
         """Where this replica read its rows (``data_source``), on which node, and its

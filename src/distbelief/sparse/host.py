@@ -53,7 +53,7 @@ class RowSparseHost:
             pending = sent[1]
             self.early_fetches += 1
         else:  # no early fetch, or its batches changed (a new data slot): its rows go unused
-            pending = self.sparse.fetch_begin({m.spec.name: rows for m in self.modules})
+            pending = self._fetch_rows(rows)
         self.dense.fetch()
         values = self.sparse.fetch_end(pending)
         for m in self.modules:
@@ -66,8 +66,11 @@ class RowSparseHost:
         while the steps before it compute; :meth:`fetch` takes it."""
         rows = np.unique(upcoming())
         self.dense.prefetch()
-        self._prefetched = rows, self.sparse.fetch_begin({m.spec.name: rows
-                                                          for m in self.modules})
+        self._prefetched = rows, self._fetch_rows(rows)
+
+    def _fetch_rows(self, rows: np.ndarray):
+        """Send the fetch of ``rows`` of every table; finish it with ``sparse.fetch_end``."""
+        return self.sparse.fetch_begin({m.spec.name: rows for m in self.modules})
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         for m in self.modules:
