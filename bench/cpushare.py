@@ -87,7 +87,10 @@ def one_run(args) -> None:
     start = next(e["t"] for e in events if e["event"] == "placement")
     steps = [e for e in events if e["event"] == "step"]
     end = max(e["t"] for e in steps)
-    (t0, a), (t1, b) = (min(samples, key=lambda s: abs(s[0] - t)) for t in (start, end))
+    # The window's samples lie inside it: a sample taken after the last step may miss
+    # processes the run's end had already stopped (the evaluator), losing their CPU time.
+    t0, a = next((s for s in samples if s[0] >= start), samples[-1])
+    t1, b = next((s for s in reversed(samples) if s[0] <= end), samples[0])
     used: collections.Counter = collections.Counter()
     faults: collections.Counter = collections.Counter()
     for pid, (cpu, cmd, flt) in b.items():

@@ -19,7 +19,10 @@ Every method trains the same seeded initial model on the same number of samples:
   its defaults, 1) and its default evaluation, and
   ``downpour-noeval`` with evaluation every 1000 s (what evaluation costs); name
   ``downpour-freeing`` in ``--methods`` for Downpour with glibc's default malloc thresholds in
-  its actors (what :mod:`distbelief.allocator` buys).
+  its actors (what :mod:`distbelief.allocator` buys), and ``downpour-plasma`` for Downpour
+  with Ray's default 100 KiB limit on results returned inline (what
+  ``distbelief.cluster.INLINE_REPLY_BYTES`` buys: shards' fetch replies up to 1 MiB skip the
+  object store).
 - on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
   GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
   CPU).
@@ -208,14 +211,13 @@ def ddp(args, work: str) -> dict:
 
 
 def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
-             freeing: bool = False) -> dict:
+             env: dict[str, str] | None = None) -> dict:
     """DownpourSGD over R replicas and S shards; its own evaluation unless ``eval_every_s``;
-    with ``gpu``, the replicas share the machine's GPU; with ``freeing``, its actors keep
-    glibc's default malloc thresholds (``DISTBELIEF_KEEP_FREED_MEMORY=0``, see
-    :mod:`distbelief.allocator`; the variable reaches the actors through the Ray instance
-    that ``fit`` starts)."""
+    with ``gpu``, the replicas share the machine's GPU; ``env``: variables set for this run
+    only (they reach the actors through the Ray instance that ``fit`` starts), e.g.
+    ``DISTBELIEF_KEEP_FREED_MEMORY=0`` for glibc's default malloc thresholds (see
+    :mod:`distbelief.allocator`)."""
     from distbelief import DownpourSGD
-    from distbelief.allocator import OFF_ENV
 
     build, lr, batch, batches = WORKLOADS[work]
     ds = data.load("mnist")
@@ -229,12 +231,12 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
                               shards=args.shards, optimizer=OPTIMIZER[work], lr=lr,
                               batch_size=batch, steps=steps, seed=args.seed, run_dir=tmp,
                               **extra)
-        if freeing:
-            os.environ[OFF_ENV] = "0"
+        os.environ.update(env or {})
         try:
             result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
         finally:
-            os.environ.pop(OFF_ENV, None)
+            for name in env or {}:
+                os.environ.pop(name, None)
     events = result.events
     start = next(e["t"] for e in events if e["event"] == "placement")
     step_events = [e for e in events if e["event"] == "step"]
@@ -285,13 +287,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/bench-workloads")
     args = parser.parse_args()
+    from distbelief.allocator import OFF_ENV
+    from distbelief.cluster import INLINE_REPLY_ENV
+
     runs = {
         "single-1t": lambda w: single(args, w, 1),
         "single-all": lambda w: single(args, w, args.replicas),
         "ddp": lambda w: ddp(args, w),
         "downpour": lambda w: downpour(args, w, None),
         "downpour-noeval": lambda w: downpour(args, w, 1000.0),
-        "downpour-freeing": lambda w: downpour(args, w, None, freeing=True),
+        "downpour-freeing": lambda w: downpour(args, w, None,
+                                               env={OFF_ENV: "0"}),
+        "downpour-plasma": lambda w: downpour(args, w, None,
+                                              env={INLINE_REPLY_ENV: "102400"}),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
@@ -344,6 +352,9 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     if dp and freeing:
         print(f"   keeping freed memory: downpour / downpour-freeing samples/s = "
               f"{dp / freeing:.2f}")
+    plasma = med("downpour-plasma")
+    if dp and plasma:
+        print(f"   inline replies: downpour / downpour-plasma samples/s = {dp / plasma:.2f}")
     noeval = med("downpour-noeval")
     if dp and noeval:
         print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")
@@ -359,12 +370,14 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     if sp and sa:
         print(f"   samples to {args.target:.0%} (at the evaluation that saw it): "
               f"downpour / single-all = {sp / sa:.2f}")
-    for method in ("downpour", "downpour-noeval", "downpour-freeing", "downpour-gpu"):
-        for r in res.get(method, []):
+    for method in ("downpour", "downpour-noeval", "downpour-freeing", "downpour-plasma",
+                   "downpour-gpu"):
+        for i, r in enumerate(res.get(method, [])):
             if r.get("breakdown"):
                 total = sum(r["breakdown"].values())
-                shares = " ".join(f"{k[:-2]} {v / total:.0%}" for k, v in r["breakdown"].items())
-                print(f"   {method} step time: {shares}")
+                shares = " ".join(f"{name[:-2]} {v / total:.0%}"
+                                  for name, v in r["breakdown"].items())
+                print(f"   {method} step time (repeat {i}): {shares}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""The embedded default opens no port to the network."""
+"""The embedded default opens no port to the network, and returns results up to
+``INLINE_REPLY_BYTES`` inside the reply."""
 
 import ipaddress
 import os
 
+import numpy as np
 import psutil
 import pytest
 import ray
+
+from distbelief import cluster
+from distbelief.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -31,3 +36,29 @@ def test_embedded_ray_listens_on_loopback_only():
     exposed = [(n, ip, port) for n, ip, port in listening
                if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
     assert exposed == []
+
+
+def test_embedded_ray_returns_results_up_to_a_mebibyte_inline():
+    @ray.remote(num_cpus=0)
+    class Slice:
+        def fetch(self, nbytes: int) -> np.ndarray:
+            return np.ones(nbytes // 4, np.float32)
+
+    shard = Slice.remote()
+    small, large = (shard.fetch.remote(n) for n in (cluster.INLINE_REPLY_BYTES - 4096,
+                                                     2 * cluster.INLINE_REPLY_BYTES))
+    assert ray.get(small).nbytes > 100 * 1024  # above Ray's own default limit
+    ray.get(large)
+    where = ray.experimental.get_object_locations([small, large])
+    assert where[small]["node_ids"] == []  # in the reply: no object-store copy anywhere
+    assert len(where[large]["node_ids"]) == 1  # through the node's object store
+
+
+def test_inline_reply_bytes_comes_from_the_environment_or_names_the_fix(monkeypatch):
+    monkeypatch.delenv(cluster.INLINE_REPLY_ENV, raising=False)
+    assert cluster.inline_reply_bytes() == cluster.INLINE_REPLY_BYTES
+    monkeypatch.setenv(cluster.INLINE_REPLY_ENV, "102400")
+    assert cluster.inline_reply_bytes() == 102400
+    monkeypatch.setenv(cluster.INLINE_REPLY_ENV, "1MB")
+    with pytest.raises(UserError, match="DISTBELIEF_INLINE_REPLY_BYTES='1MB' is not a byte"):
+        cluster.inline_reply_bytes()

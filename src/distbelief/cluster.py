@@ -23,6 +23,27 @@ from distbelief.errors import UserError
 # 127.0.0.1 instead of all interfaces (measured with `ss -ltn`; see DESIGN.md).
 _LOOPBACK_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
+# Ray sends a call's result back inside its reply up to this size and through the object
+# store above it (Ray's default: 100 KiB). A shard's fetch reply of a ~1 MB slice costs the
+# machine less inline: no object to create, seal, pin and free in the store
+# (BENCHMARKS.md, 2026-12-07: the CNN's Downpour samples/s, raylet CPU). Above a few MB the
+# object store is cheaper again (one copy in, zero-copy reads). Embedded sessions only: a
+# cluster joined with ``--address`` keeps its own setting (``ray start --system-config``).
+INLINE_REPLY_BYTES = 1 << 20
+INLINE_REPLY_ENV = "DISTBELIEF_INLINE_REPLY_BYTES"  # set it to measure other sizes
+
+
+def inline_reply_bytes() -> int:
+    """The largest call result an embedded session returns inline (``INLINE_REPLY_BYTES``,
+    or the environment's ``DISTBELIEF_INLINE_REPLY_BYTES``)."""
+    value = os.environ.get(INLINE_REPLY_ENV, "").strip()
+    if not value:
+        return INLINE_REPLY_BYTES
+    if not value.isdigit():
+        raise UserError(f"{INLINE_REPLY_ENV}={value!r} is not a byte count: set it to a whole "
+                        "number of bytes (Ray's own default is 102400) or unset it")
+    return int(value)
+
 
 @contextmanager
 def session(address: str | None = None, num_cpus: int | None = None,
@@ -60,7 +81,8 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     try:
         ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
-                 configure_logging=True)
+                 configure_logging=True,
+                 _system_config={"max_direct_call_object_size": inline_reply_bytes()})
     finally:
         if saved[0] is None:
             os.environ.pop(_LOOPBACK_ENV, None)
