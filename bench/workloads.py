@@ -20,9 +20,9 @@ Every method trains the same seeded initial model on the same number of samples:
   ``downpour-noeval`` with evaluation every 1000 s (what evaluation costs); name
   ``downpour-freeing`` in ``--methods`` for Downpour with glibc's default malloc thresholds in
   its actors (what :mod:`distbelief.allocator` buys), and ``downpour-plasma`` for Downpour
-  with Ray's default 100 KiB limit on results returned inline (what
-  ``distbelief.cluster.INLINE_REPLY_BYTES`` buys: shards' fetch replies up to 1 MiB skip the
-  object store).
+  with Ray's default 100 KiB limit on arguments and results sent inline (what
+  ``distbelief.cluster.INLINE_BYTES`` buys: gradient parts and fetch replies up to 1 MiB a
+  shard skip the object store).
 - on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
   GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
   CPU).
@@ -288,7 +288,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-workloads")
     args = parser.parse_args()
     from distbelief.allocator import OFF_ENV
-    from distbelief.cluster import INLINE_REPLY_ENV
+    from distbelief.cluster import INLINE_ENV
 
     runs = {
         "single-1t": lambda w: single(args, w, 1),
@@ -299,7 +299,7 @@ def main() -> None:
         "downpour-freeing": lambda w: downpour(args, w, None,
                                                env={OFF_ENV: "0"}),
         "downpour-plasma": lambda w: downpour(args, w, None,
-                                              env={INLINE_REPLY_ENV: "102400"}),
+                                              env={INLINE_ENV: "102400"}),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }

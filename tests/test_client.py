@@ -11,7 +11,7 @@ from distbelief.ps.shard import ParameterShard
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
-N = INLINE_BYTES // 2  # each shard's slice is above or below the inline limit
+N = INLINE_BYTES // 2 + 1024  # float32 parts above the inline limit (one object), 16-bit ones below
 PLAN = ShardPlan.build([("a", (N // 3,)), ("b", (N - N // 3,))], 2)
 
 

@@ -1,5 +1,5 @@
 """The embedded default opens no port to the network, and returns results up to
-``INLINE_REPLY_BYTES`` inside the reply."""
+``INLINE_BYTES`` inside the reply."""
 
 import ipaddress
 import os
@@ -45,8 +45,8 @@ def test_embedded_ray_returns_results_up_to_a_mebibyte_inline():
             return np.ones(nbytes // 4, np.float32)
 
     shard = Slice.remote()
-    small, large = (shard.fetch.remote(n) for n in (cluster.INLINE_REPLY_BYTES - 4096,
-                                                     2 * cluster.INLINE_REPLY_BYTES))
+    small, large = (shard.fetch.remote(n) for n in (cluster.INLINE_BYTES - 4096,
+                                                     2 * cluster.INLINE_BYTES))
     assert ray.get(small).nbytes > 100 * 1024  # above Ray's own default limit
     ray.get(large)
     where = ray.experimental.get_object_locations([small, large])
@@ -54,11 +54,11 @@ def test_embedded_ray_returns_results_up_to_a_mebibyte_inline():
     assert len(where[large]["node_ids"]) == 1  # through the node's object store
 
 
-def test_inline_reply_bytes_comes_from_the_environment_or_names_the_fix(monkeypatch):
-    monkeypatch.delenv(cluster.INLINE_REPLY_ENV, raising=False)
-    assert cluster.inline_reply_bytes() == cluster.INLINE_REPLY_BYTES
-    monkeypatch.setenv(cluster.INLINE_REPLY_ENV, "102400")
-    assert cluster.inline_reply_bytes() == 102400
-    monkeypatch.setenv(cluster.INLINE_REPLY_ENV, "1MB")
-    with pytest.raises(UserError, match="DISTBELIEF_INLINE_REPLY_BYTES='1MB' is not a byte"):
-        cluster.inline_reply_bytes()
+def test_inline_bytes_comes_from_the_environment_or_names_the_fix(monkeypatch):
+    monkeypatch.delenv(cluster.INLINE_ENV, raising=False)
+    assert cluster.inline_bytes() == cluster.INLINE_BYTES
+    monkeypatch.setenv(cluster.INLINE_ENV, "102400")
+    assert cluster.inline_bytes() == 102400
+    monkeypatch.setenv(cluster.INLINE_ENV, "1MB")
+    with pytest.raises(UserError, match="DISTBELIEF_INLINE_BYTES='1MB' is not a byte"):
+        cluster.inline_bytes()

@@ -17,16 +17,16 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def test_a_large_push_fuses_with_the_next_fetch_and_an_early_fetch_sees_the_last_push():
-    model = torch.nn.Linear(200, 200)  # 40,200 parameters: 80 kB a shard, 160 kB in all
+    model = torch.nn.Linear(800, 800)  # 640,800 parameters: 1.28 MB a shard
     plan = ShardPlan.build([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
     flat = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
-    assert flat.nbytes > INLINE_BYTES
+    assert plan.shard_size(0) * 4 > INLINE_BYTES  # each part too large to travel in its call
     shards = [ParameterShard.remote(s, part, "sgd", 0.5) for s, part in
               enumerate(plan.split_flat(flat))]
     host = FlatHost(model, plan, shards)
     host.fetch()
     flat = host.flat.flat_np.copy()
-    host.forward_backward(torch.ones(3, 200), lambda out: out.sum())
+    host.forward_backward(torch.ones(3, 800), lambda out: out.sum())
     grad = host.flat.grad.clone()
     host.end_step(True, None, fetch_next=True)  # push + fetch, fused
     assert (host.client.pushes, host.client.fetches) == (1, 2)
@@ -36,7 +36,7 @@ def test_a_large_push_fuses_with_the_next_fetch_and_an_early_fetch_sees_the_last
     host.end_step(True, None, fetch_next=False)  # a push alone: no fetch
     assert (host.client.pushes, host.client.fetches) == (2, 2)
     host.prefetch()  # sent after that push: it must see it
-    host.forward_backward(torch.ones(3, 200), lambda out: out.sum())
+    host.forward_backward(torch.ones(3, 800), lambda out: out.sum())
     host.fetch()
     assert host.client.fetches == 3 and host.versions() == [2, 2]
     host.finish(False)

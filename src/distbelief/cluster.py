@@ -23,24 +23,25 @@ from distbelief.errors import UserError
 # 127.0.0.1 instead of all interfaces (measured with `ss -ltn`; see DESIGN.md).
 _LOOPBACK_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
-# Ray sends a call's result back inside its reply up to this size and through the object
-# store above it (Ray's default: 100 KiB). A shard's fetch reply of a ~1 MB slice costs the
-# machine less inline: no object to create, seal, pin and free in the store
-# (BENCHMARKS.md, 2026-12-07: the CNN's Downpour samples/s, raylet CPU). Above a few MB the
-# object store is cheaper again (one copy in, zero-copy reads). Embedded sessions only: a
-# cluster joined with ``--address`` keeps its own setting (``ray start --system-config``).
-INLINE_REPLY_BYTES = 1 << 20
-INLINE_REPLY_ENV = "DISTBELIEF_INLINE_REPLY_BYTES"  # set it to measure other sizes
+# Ray sends a call's arguments and result inside the call and its reply up to this size,
+# through the object store above it (Ray's default: 100 KiB). A CNN shard's ~1 MB gradient
+# part and fetch reply cost the machine less inline: no object to create, seal, pin and free
+# in the store (BENCHMARKS.md, 2026-12-07: the CNN's Downpour samples/s, raylet CPU). Above
+# a few MB the object store is cheaper again (one copy in, zero-copy reads). Embedded
+# sessions set it for every process; a cluster joined with ``--address`` keeps its own
+# setting (``ray start --system-config='{"max_direct_call_object_size": 1048576}'``).
+INLINE_BYTES = 1 << 20
+INLINE_ENV = "DISTBELIEF_INLINE_BYTES"  # set it to measure other sizes
 
 
-def inline_reply_bytes() -> int:
-    """The largest call result an embedded session returns inline (``INLINE_REPLY_BYTES``,
-    or the environment's ``DISTBELIEF_INLINE_REPLY_BYTES``)."""
-    value = os.environ.get(INLINE_REPLY_ENV, "").strip()
+def inline_bytes() -> int:
+    """The largest call argument or result sent inline (``INLINE_BYTES``, or the
+    environment's ``DISTBELIEF_INLINE_BYTES``, which an embedded session's workers inherit)."""
+    value = os.environ.get(INLINE_ENV, "").strip()
     if not value:
-        return INLINE_REPLY_BYTES
+        return INLINE_BYTES
     if not value.isdigit():
-        raise UserError(f"{INLINE_REPLY_ENV}={value!r} is not a byte count: set it to a whole "
+        raise UserError(f"{INLINE_ENV}={value!r} is not a byte count: set it to a whole "
                         "number of bytes (Ray's own default is 102400) or unset it")
     return int(value)
 
@@ -82,7 +83,7 @@ def connect(address: str | None = None, num_cpus: int | None = None,
         ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
                  configure_logging=True,
-                 _system_config={"max_direct_call_object_size": inline_reply_bytes()})
+                 _system_config={"max_direct_call_object_size": inline_bytes()})
     finally:
         if saved[0] is None:
             os.environ.pop(_LOOPBACK_ENV, None)

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
-from distbelief.ps.codec import encode
+from distbelief.cluster import inline_bytes
+from distbelief.ps.codec import WIRE_DTYPES, encode
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.sync import WAIT_S
 
-INLINE_BYTES = 100 * 1024  # Ray inlines smaller arguments in the call; larger go via ray.put
+INLINE_BYTES = inline_bytes()  # a shard's part up to this travels in its call, else via ray.put
 RECONNECT_S = 60.0  # how long a client waits for the driver to restart a dead shard
 FETCH_TRIES = 3  # fetches of one shard (first try + retries) before giving up
 Call = tuple[int, ray.ObjectRef, tuple]  # shard, reply, (method, args, kwargs) to resend
@@ -135,7 +136,8 @@ class PSClient:
         if self._one_node is None:
             self._one_node = len(self.shards) > 1 and len(set(ray.get(
                 [s.node.remote() for s in self.shards]))) == 1
-        if self._one_node and flat_grad.nbytes > INLINE_BYTES:
+        widest = max(np.diff(bounds)) * WIRE_DTYPES[self.grad_dtype].itemsize
+        if self._one_node and widest > INLINE_BYTES:
             whole = ray.put(encode(flat_grad, self.grad_dtype))
             return [self._call(s, method.replace("push", "push_part"),
                                (whole, lo, version, self.replica), kw | pid)
@@ -311,16 +313,14 @@ class PSClient:
             self.rejected += accepted.count(False)
 
     def _next_id(self) -> dict:
-        """A new push: counted as sent; its id as the keyword the shards take (none for a
-        client without an incarnation: several such clients, a replica's partitions, may
-        push for one replica)."""
+        """A new push, counted as sent; its id as the shards' keyword (none without an
+        incarnation: several such clients, a replica's partitions, may push for one replica)."""
         self.seq += 1
         self.pushes += 1
         return {"pid": (self.replica, self.incarnation, self.seq)} if self.incarnation else {}
 
     def _call(self, s: int, method: str, args: tuple, kwargs: dict) -> Call:
-        """Send ``method(*args, **kwargs)`` to shard ``s``; what :meth:`_resent` needs to
-        send it again."""
+        """Send ``method(*args, **kwargs)`` to shard ``s``; the call for :meth:`_resent`."""
         call = (method, args, kwargs)
         return s, getattr(self.shards[s], method).remote(*args, **kwargs), call
 
