@@ -32,13 +32,15 @@ event for Downpour, after the barrier for DDP, after model construction for one 
 Time to ``--target`` is the first evaluation at or above it, and "samples" the training
 samples the model had seen then. Every method evaluates by the same rule, inside its clock:
 Downpour as its defaults do (each evaluation at the time its fetch began, spaced so that it
-takes at most ``--eval-budget`` = 3% of the job's CPU time); one process and DDP rank 0 by
-that rule too (``--baseline-eval budget``: the same budget of their cores, the CPU time an
-evaluation took) or every ``--eval-every`` seconds (``--baseline-eval period``, the rule
-before 2026-12-06, under which one process of one thread, scoring 1,000 rows in one pass,
-spent about half its time evaluating the CNN). All score the same test rows
-``rows_per_pass`` at a time, as Downpour's evaluator does. Every method's final accuracy
-counts at the end of its training. Where Downpour's step events carry a
+takes at most ``--eval-budget`` = 3% of the job's CPU time; another ``--eval-budget`` is
+given to Downpour too, so every method's curve gets denser at the same cost, which is how
+time to target is measured finer than the default's few evaluations allow); one process
+and DDP rank 0 by that rule too (``--baseline-eval budget``: the same budget of their
+cores, the CPU time an evaluation took) or every ``--eval-every`` seconds
+(``--baseline-eval period``, the rule before 2026-12-06, under which one process of one
+thread, scoring 1,000 rows in one pass, spent about half its time evaluating the CNN). All
+score the same test rows ``rows_per_pass`` at a time, as Downpour's evaluator does. Every
+method's final accuracy counts at the end of its training. Where Downpour's step events carry a
 step-time breakdown (``compute_s``, ``fetch_wait_s``, ``push_wait_s``, ``idle_s``), its mean
 per step is printed.
 Writes OUT/workloads.json.
@@ -222,7 +224,8 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
     build, lr, batch, batches = WORKLOADS[work]
     ds = data.load("mnist")
     steps = getattr(args, batches) // args.replicas
-    extra = {} if eval_every_s is None else {"eval_every_s": eval_every_s}
+    extra = {"eval_budget": args.eval_budget} if eval_every_s is None else \
+        {"eval_every_s": eval_every_s}
     extra.update(n_fetch=args.n_fetch, n_push=args.n_push)
     if gpu:
         extra.update(device="cuda", gpus_per_replica=1 / args.replicas)
@@ -279,7 +282,8 @@ def main() -> None:
                         "Downpour's rule (--eval-budget of their cores' CPU time) or every "
                         "--eval-every seconds")
     parser.add_argument("--eval-budget", type=float, default=0.03,
-                        help="with --baseline-eval budget: Downpour's default --eval-budget")
+                        help="Downpour's --eval-budget (its default 0.03), and with "
+                        "--baseline-eval budget the baselines' too")
     parser.add_argument("--methods", nargs="+",
                         default=["single-1t", "single-all", "ddp", "downpour", "downpour-noeval"],
                         help="also single-gpu and downpour-gpu where CUDA exists")
