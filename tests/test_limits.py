@@ -13,6 +13,7 @@ from distbelief.limits import (
     check_run_dir,
     check_synthetic,
     human,
+    limited_store,
     model_bytes,
     synthetic_bytes,
 )
@@ -25,6 +26,19 @@ def one_line(match: str, fn, *args) -> str:
         fn(*args)
     assert "\n" not in str(info.value)
     return str(info.value)
+
+
+def test_the_object_store_holds_data_and_the_live_parameter_copies_within_memory():
+    mb = 2**20
+    # 17M parameters (69 MB), 2 replicas, 10 MB of data: 4 data copies, 3 a replica + 16
+    assert limited_store(10 * mb, 17_000_000, 2, 24 * GB) == 40 * mb + 22 * 68_000_000
+    more = limited_store(10 * mb, 17_000_000, 3, 24 * GB)
+    assert more - limited_store(10 * mb, 17_000_000, 2, 24 * GB) == 3 * 68_000_000
+    assert limited_store(0, 5_000, 4, 24 * GB) == 128 * mb  # small models: the floor
+    # 100M parameters: 22 copies are 8.8 GB, which 64 GB holds; on 24 GB the store is held
+    # to Ray's default share (30%), where ray.init would refuse more (64 copies: 25.6 GB)
+    assert limited_store(0, 100_000_000, 2, 64 * GB) == 22 * 400_000_000
+    assert limited_store(0, 100_000_000, 2, 24 * GB) == int(0.3 * 24 * GB)
 
 
 def test_human_sizes():

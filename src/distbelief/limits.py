@@ -25,6 +25,10 @@ OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2}
 SYNTHETIC_BYTES_PER_FEATURE, SYNTHETIC_BYTES_PER_ROW = 36, 16
 DATA_COPIES = 2  # in-memory data: the driver's arrays and the object store's copy
 OVERSUBSCRIBE_LIMIT = 8  # more than this many replica processes a core is refused
+STORE_DATA_COPIES = 4  # the object store holds in-memory data and the replicas' parts of it
+STORE_REPLICA_COPIES = 3  # a replica's push in flight, a fetch's replies and an early fetch
+STORE_SPARE_COPIES = 16  # the evaluator's fetch, checkpoints, snapshots, restarts
+STORE_MIN, STORE_SHARE = 128 * 2**20, 0.3  # at least this; at most Ray's own default share
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,19 @@ def check_model(parameters: int, replicas: int, optimizer: str, res: Resources) 
             f"shards' copy and {slots} optimizer value(s) a parameter, float32), but "
             f"{where(res)} {human(res.memory)} available: use fewer --replicas, a smaller "
             "model, or a cluster (--address) with more memory")
+
+
+def limited_store(data: int, parameters: int, replicas: int, memory: int) -> int:
+    """Object-store size for an embedded run: ``data`` bytes of in-memory data
+    (:data:`STORE_DATA_COPIES`) and the parameter-sized objects live at once
+    (:data:`STORE_REPLICA_COPIES` a replica and :data:`STORE_SPARE_COPIES`), at least
+    :data:`STORE_MIN` and at most :data:`STORE_SHARE` of ``memory`` (beyond that Ray refuses
+    to start; a store too small for a moment's objects spills them to disk). No larger than
+    that: each process faults every page of the store in the first time it passes through
+    it, which a 17M-parameter MLP's short runs paid at 64 copies (BENCHMARKS.md, 2026-12-07)."""
+    copies = STORE_REPLICA_COPIES * replicas + STORE_SPARE_COPIES
+    want = STORE_DATA_COPIES * data + copies * parameters * BYTES_PER_VALUE
+    return int(max(STORE_MIN, min(want, STORE_SHARE * memory)))
 
 
 def synthetic_bytes(samples: int, features: int) -> int:

@@ -37,7 +37,7 @@ from distbelief.evaluation import (
 from distbelief.flat import FlatModel, parameter_shapes
 from distbelief.host import HostFactory
 from distbelief.job import Job, TrainResult, actor_name
-from distbelief.limits import Resources, check_cpus
+from distbelief.limits import Resources, check_cpus, limited_store
 from distbelief.modelpar.host import PartitionedHost
 from distbelief.ps.average import parse_average
 from distbelief.ps.buffers import BufferAverage, BufferPlan
@@ -139,7 +139,7 @@ class Trainer:
                                               self._rule().scalar_names)
             self._check_restored()
         with cluster.session(cfg.address, num_cpus=cfg.num_cpus,
-                             object_store_memory=store_bytes(in_memory, self.plan)):
+                             object_store_memory=store_bytes(in_memory, self.plan, cfg.replicas)):
             if cfg.address is not None:  # a cluster's CPUs, known once connected
                 check_cpus(cfg.replicas, cfg.partitions, cfg.shards * (1 + cfg.shard_backups),
                            Resources.from_ray(ray.cluster_resources()))
@@ -395,6 +395,6 @@ def as_arrays(x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(x), np.ascontiguousarray(y)
 
 
-def store_bytes(x: np.ndarray, plan: ShardPlan) -> int:
-    """Object-store size for an embedded run: room for the data and many parameter copies."""
-    return int(max(128 * 2**20, 4 * x.nbytes + 64 * plan.numel * 4))
+def store_bytes(x: np.ndarray, plan: ShardPlan, replicas: int = 1) -> int:
+    """Object-store size for an embedded run on this machine (:func:`limits.limited_store`)."""
+    return limited_store(x.nbytes, plan.numel, replicas, Resources.local().memory)
