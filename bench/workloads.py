@@ -63,6 +63,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from distbelief import data, models
+from distbelief.config import TrainConfig
 from distbelief.data import ReplicaSampler
 from distbelief.evaluation import (
     EvalBudget,
@@ -281,8 +282,8 @@ def main() -> None:
                         help="how one process and DDP rank 0 space their evaluations: by "
                         "Downpour's rule (--eval-budget of their cores' CPU time) or every "
                         "--eval-every seconds")
-    parser.add_argument("--eval-budget", type=float, default=0.03,
-                        help="Downpour's --eval-budget (its default 0.03), and with "
+    parser.add_argument("--eval-budget", type=float, default=TrainConfig().eval_budget,
+                        help="Downpour's --eval-budget (default: Downpour's own), and with "
                         "--baseline-eval budget the baselines' too")
     parser.add_argument("--methods", nargs="+",
                         default=["single-1t", "single-all", "ddp", "downpour", "downpour-noeval"],
@@ -300,10 +301,8 @@ def main() -> None:
         "ddp": lambda w: ddp(args, w),
         "downpour": lambda w: downpour(args, w, None),
         "downpour-noeval": lambda w: downpour(args, w, 1000.0),
-        "downpour-freeing": lambda w: downpour(args, w, None,
-                                               env={OFF_ENV: "0"}),
-        "downpour-plasma": lambda w: downpour(args, w, None,
-                                              env={INLINE_ENV: "102400"}),
+        "downpour-freeing": lambda w: downpour(args, w, None, env={OFF_ENV: "0"}),
+        "downpour-plasma": lambda w: downpour(args, w, None, env={INLINE_ENV: "102400"}),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
@@ -358,7 +357,7 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
               f"{dp / freeing:.2f}")
     plasma = med("downpour-plasma")
     if dp and plasma:
-        print(f"   inline replies: downpour / downpour-plasma samples/s = {dp / plasma:.2f}")
+        print(f"   inline calls: downpour / downpour-plasma samples/s = {dp / plasma:.2f}")
     noeval = med("downpour-noeval")
     if dp and noeval:
         print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")

@@ -66,7 +66,7 @@ class PSClient:
         self._in_flight: deque[list[Call]] = deque()
         self.incarnation, self.seq = int(incarnation), 0
         self.resend, self.directory, self.resent = resend, directory, 0
-        self._one_node: bool | None = None  # all shards on one node: one object per push
+        self._one_object: bool | None = None  # parts too large to inline, shards on one node
         self.names = list(names) if names is not None else None
         self.dropped = self.retried = self.reconnects = 0
         self.dropped_by_shard = [0] * plan.shards
@@ -133,11 +133,11 @@ class PSClient:
         bounds, pid = self.plan.bounds, self._next_id()
         more = [{"buffers": buffers} if buffers is not None and s == 0 else {}
                 for s in range(len(self.shards))]
-        if self._one_node is None:
-            self._one_node = len(self.shards) > 1 and len(set(ray.get(
-                [s.node.remote() for s in self.shards]))) == 1
-        widest = max(np.diff(bounds)) * WIRE_DTYPES[self.grad_dtype].itemsize
-        if self._one_node and widest > INLINE_BYTES:
+        if self._one_object is None:  # the plan, dtype and shards' nodes are the client's own
+            widest = max(np.diff(bounds)) * WIRE_DTYPES[self.grad_dtype].itemsize
+            self._one_object = widest > INLINE_BYTES and len(self.shards) > 1 and len(set(
+                ray.get([s.node.remote() for s in self.shards]))) == 1
+        if self._one_object:
             whole = ray.put(encode(flat_grad, self.grad_dtype))
             return [self._call(s, method.replace("push", "push_part"),
                                (whole, lo, version, self.replica), kw | pid)
