@@ -1,6 +1,7 @@
 """The command line: bad input gives one line, exit code 2, and starts nothing."""
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,20 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert proc.stderr.strip() == ("distbelief: error: --lr must be a finite number > 0 "
                                    "(got 0.0)")
     assert proc.stdout == ""
+
+
+def test_a_bad_inline_size_in_the_environment_is_one_line_and_exit_2(tmp_path):
+    """Read where the run connects, not when the package is imported (a traceback then)."""
+    env = dict(os.environ, DISTBELIEF_INLINE_BYTES="1MB")
+    proc = subprocess.run([sys.executable, "-m", "distbelief.cli", "train", "--steps", "5",
+                           "--run-dir", str(tmp_path / "r")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "distbelief: error: DISTBELIEF_INLINE_BYTES='1MB' is not a byte count: set it to a "
+        "whole number of bytes (Ray's own default is 102400) or unset it")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
 
 
 def bad_npz(tmp_path, **arrays):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import ray
 
-from distbelief.ps.client import INLINE_BYTES, PSClient
+from distbelief.cluster import INLINE_BYTES
+from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
 

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from distbelief import DownpourSGD, data, evaluation, models
-from distbelief.ps.client import INLINE_BYTES
+from distbelief.cluster import INLINE_BYTES
 from distbelief.ps.host import FlatHost
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard

@@ -20,7 +20,6 @@ from distbelief.ps.codec import WIRE_DTYPES, encode
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.sync import WAIT_S
 
-INLINE_BYTES = inline_bytes()  # a shard's part up to this travels in its call, else via ray.put
 RECONNECT_S = 60.0  # how long a client waits for the driver to restart a dead shard
 FETCH_TRIES = 3  # fetches of one shard (first try + retries) before giving up
 Call = tuple[int, ray.ObjectRef, tuple]  # shard, reply, (method, args, kwargs) to resend
@@ -66,7 +65,8 @@ class PSClient:
         self._in_flight: deque[list[Call]] = deque()
         self.incarnation, self.seq = int(incarnation), 0
         self.resend, self.directory, self.resent = resend, directory, 0
-        self._one_object: bool | None = None  # parts too large to inline, shards on one node
+        self._one_object: bool | None = None  # at the first push, with ``_inline`` (not at
+        self._inline = 0  # import): parts over it go as one object to shards on one node
         self.names = list(names) if names is not None else None
         self.dropped = self.retried = self.reconnects = 0
         self.dropped_by_shard = [0] * plan.shards
@@ -87,8 +87,7 @@ class PSClient:
 
     def fetch_start(self, buffers: bool = False) -> list[ray.ObjectRef]:
         """Send a fetch to every shard, after every push sent before it; don't wait."""
-        if self._dead:
-            self._reconnect_dead()
+        self._reconnect_dead()
         return [s.fetch.remote(buffers and i == 0, self.replica)
                 for i, s in enumerate(self.shards)]
 
@@ -122,8 +121,7 @@ class PSClient:
         report, see :mod:`distbelief.ps.buffers`) goes to shard 0 with its part.
         """
         self._drain(self.max_in_flight - 1)
-        if self._dead:
-            self._reconnect_dead()
+        self._reconnect_dead()
         self._in_flight.append(self._calls("push", flat_grad, buffers))
 
     def _calls(self, method: str, flat_grad: np.ndarray, buffers: tuple | None) -> list[Call]:
@@ -134,8 +132,9 @@ class PSClient:
         more = [{"buffers": buffers} if buffers is not None and s == 0 else {}
                 for s in range(len(self.shards))]
         if self._one_object is None:  # the plan, dtype and shards' nodes are the client's own
+            self._inline = inline_bytes()
             widest = max(np.diff(bounds)) * WIRE_DTYPES[self.grad_dtype].itemsize
-            self._one_object = widest > INLINE_BYTES and len(self.shards) > 1 and len(set(
+            self._one_object = widest > self._inline and len(self.shards) > 1 and len(set(
                 ray.get([s.node.remote() for s in self.shards]))) == 1
         if self._one_object:
             whole = ray.put(encode(flat_grad, self.grad_dtype))
@@ -145,7 +144,7 @@ class PSClient:
         calls = []
         for s, (lo, hi, version, kw) in enumerate(zip(bounds, bounds[1:], self.versions, more)):
             part = encode(flat_grad[lo:hi], self.grad_dtype)
-            if part.nbytes > INLINE_BYTES:
+            if part.nbytes > self._inline:
                 part = ray.put(part)
             calls.append(self._call(s, method, (part, version, self.replica), kw | pid))
         return calls
@@ -159,8 +158,7 @@ class PSClient:
         restart (with ``names``). With a ``buffers`` report shard 0 also sends its buffers
         back (into :attr:`buffers`)."""
         self._drain(0)
-        if self._dead:
-            self._reconnect_dead()
+        self._reconnect_dead()
         bounds, calls = self.plan.bounds, self._calls("push_fetch", flat_grad, buffers)
         for s, ((_, ref, call), lo, hi) in enumerate(zip(calls, bounds, bounds[1:])):
             try:
@@ -372,6 +370,7 @@ class PSClient:
         return replies
 
     def _reconnect_dead(self) -> None:
+        """Reach the restart of every shard a push found dead (none: nothing to do)."""
         for s in sorted(self._dead):
             self._reconnect(s)
 
