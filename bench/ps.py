@@ -214,7 +214,7 @@ def main() -> None:
         print(f"rounds={args.rounds} repeat={args.repeat}; ratio = push MB/s / in-process MB/s, "
               "median [min-max] over rounds; variants take turns within each round")
         print(f"{'MB':>5} {'shards':>6} {'variant':>10} {'in-proc MB/s':>12} {'push MB/s':>10} "
-              f"{'ratio':>6} {'range':>11} {'fetch MB/s':>10}")
+              f"{'ratio':>6} {'range':>11} {'fetch MB/s':>10} {'in-shard ms':>11}")
         for mb in args.sizes_mb:
             n = int(mb * 2**20 / 4)
             base = InProcess(n)
@@ -254,9 +254,16 @@ def compare(args, base: InProcess, n: int, shards: int, store: int) -> None:
         # reader: three times slower puts). Pushes of ``store`` bytes cycle through it.
         push_rate(clients[name], grad, -(-store // grad.nbytes) + 2)
     rounds: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    inside: dict[str, list[float]] = {v: [] for v in variants}  # ms in a shard per push
     for _ in range(args.rounds):
         for v in variants:
+            before = ray.get([h.timings.remote() for h in handles])
             rounds[v].append((base.rate(args.repeat), push_rate(clients[v], grad, args.repeat)))
+            after = ray.get([h.timings.remote() for h in handles])
+            per_push = [1000 * (a["push_s"] - b["push_s"]) / (a["pushes"] - b["pushes"])
+                        for a, b in zip(after, before) if a["pushes"] > b["pushes"]]
+            if per_push:  # the slowest shard's: a push waits for every shard
+                inside[v].append(max(per_push))
     fetcher = PSClient(handles, plan)
     fetch_rate(fetcher, flat, -(-store // grad.nbytes) + 2)  # warm up, as the pushes
     fetch = statistics.median(fetch_rate(fetcher, flat, args.repeat) for _ in range(args.rounds))
@@ -267,7 +274,8 @@ def compare(args, base: InProcess, n: int, shards: int, store: int) -> None:
         print(f"{mb:>5g} {shards:>6} {v:>10} "
               f"{statistics.median(b for b, _ in rounds[v]):>12.0f} {medians[v]:>10.0f} "
               f"{statistics.median(ratios):>6.2f} "
-              f"{f'[{ratios[0]:.2f}-{ratios[-1]:.2f}]':>11} {fetch:>10.0f}", flush=True)
+              f"{f'[{ratios[0]:.2f}-{ratios[-1]:.2f}]':>11} {fetch:>10.0f} "
+              f"{statistics.median(inside[v]) if inside[v] else float('nan'):>11.2f}", flush=True)
     for kind in floor_shards:  # issue 16: real shards against the floors
         floors = [f"{v} {medians[v] / medians[f'{kind}-{v}']:.2f}" for v in medians
                   if f"{kind}-{v}" in medians]
@@ -281,6 +289,11 @@ def compare(args, base: InProcess, n: int, shards: int, store: int) -> None:
               f"{null_ms / (null_ms + apply_ms):.2f} (a null push {null_ms:.2f} ms + the "
               f"in-process apply of one shard's slice {apply_ms:.2f} ms, shards in parallel)",
               flush=True)
+        if inside.get("f32x1"):  # the same with the apply as it runs in a shard
+            shard_ms = statistics.median(inside["f32x1"])
+            print(f"{mb:>5g} {shards:>6} bound with the shards' own time: "
+                  f"{null_ms / (null_ms + shard_ms):.2f} (a null push + {shard_ms:.2f} ms inside "
+                  "the slowest shard per f32x1 push: checks and update, caches cold)", flush=True)
     for c in [c for cs in clients.values() for c in cs if not isinstance(c, PSClient)]:
         ray.kill(c)
     for h in handles + [a for group in floor_shards.values() for a in group]:

@@ -23,6 +23,17 @@ def test_push_applies_and_bumps_version(core):
     assert core.stats()["pushes_by_replica"] == {"2": 1}
 
 
+def test_timings_cover_every_whole_slice_push_applied_or_not(core):
+    assert core.timings() == {"push_s": 0.0, "pushes": 0}
+    core.push(np.ones(4, np.float32), 0)
+    core.push_fetch(np.ones(4, np.float32), 1)
+    core.push(np.ones(5, np.float32), 2)  # rejected: still the shard's time
+    core.push_part(np.ones(8, np.float32), 4, 2)
+    timings = core.timings()
+    assert timings["pushes"] == 4 and timings["push_s"] >= 0.0
+    assert core.version == 3 and "push_s" not in core.stats()
+
+
 @pytest.mark.parametrize("grad,reason", [
     (np.array([1.0, np.nan, 0.0, 0.0], np.float32), "nonfinite"),
     (np.array([1.0, np.inf, 0.0, 0.0], np.float32), "nonfinite"),

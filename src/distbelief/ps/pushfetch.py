@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from distbelief.ps.codec import WIRE_DTYPES, all_finite, decode_into
@@ -47,6 +49,16 @@ class PushFetch(ShardSlice):
 
     def push(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
              buffers: tuple | None = None, pid: PushId | None = None) -> bool:
+        """:meth:`_push`, its time added to :meth:`~distbelief.ps.slice.ShardSlice.timings`."""
+        began = time.perf_counter()
+        try:
+            return self._push(grad, fetched_version, replica, buffers, pid)
+        finally:
+            self.push_s += time.perf_counter() - began
+            self.pushes_timed += 1
+
+    def _push(self, grad: np.ndarray, fetched_version: int, replica: int = -1,
+              buffers: tuple | None = None, pid: PushId | None = None) -> bool:
         """Apply ``grad`` unless it is malformed; returns whether it was applied.
         ``buffers``: the replica's buffer report (statistics, count deltas), folded into the
         buffers this shard holds along with an applied push.

@@ -54,6 +54,7 @@ class ShardSlice:
         self.fetched: FetchedCopies | None = None  # each replica's last fetch (DC-ASGD)
         self.ledger = PushLedger()  # pushes taken, by replica incarnation (ps/ledger.py)
         self.sync: SyncAggregator | None = None  # --backup-workers: synchronous updates
+        self.push_s, self.pushes_timed = 0.0, 0  # see timings()
 
     @property
     def version(self) -> int:
@@ -205,6 +206,12 @@ class ShardSlice:
             self.buffer_reports = int(counters.get("buffer_reports", 0))
             if self.sync is not None:
                 self.sync.restore(counters.get("sync"))
+
+    def timings(self) -> dict:
+        """Seconds spent inside whole-slice pushes (checks, decoding, the update rule:
+        what the shard itself adds to Ray's cost of a call) and how many pushes that covers,
+        applied or not. Not part of :meth:`stats`: it differs between copies of one state."""
+        return {"push_s": self.push_s, "pushes": self.pushes_timed}
 
     def stats(self) -> dict:
         """JSON-ready counters: updates, fetches, rejections by reason, staleness histogram."""
