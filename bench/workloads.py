@@ -23,6 +23,10 @@ Every method trains the same seeded initial model on the same number of samples:
   with Ray's default 100 KiB limit on arguments and results sent inline (what
   ``distbelief.cluster.INLINE_BYTES`` buys: gradient parts and fetch replies up to 1 MiB a
   shard skip the object store).
+- ``floor`` (name it in ``--methods``; once per workload, not per repeat): Ray's own CPU cost
+  of a replica's push+fetch at this model's size and ``--shards``, to null shards and to real
+  ones (:mod:`_callfloor`), and the bound it sets on Downpour / cores' limit with
+  ``single-1t``'s time per mini-batch of the same run.
 - on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
   GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
   CPU).
@@ -261,6 +265,23 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
             "evals": sum(e["event"] == "eval" for e in events)}
 
 
+def floor(args, work: str) -> dict:
+    """Ray's CPU per push+fetch of this workload's model over ``--shards`` null and real
+    shards (:func:`_callfloor.measure`), printed."""
+    from _callfloor import measure
+    from _common import ray_session
+
+    build, lr, _, _ = WORKLOADS[work]
+    n = n_params(build(data.load("mnist"), args.seed))
+    with ray_session(num_cpus=os.cpu_count() or 2):
+        out = measure(n, args.shards, OPTIMIZER[work], lr)
+    for kind, row in out.items():
+        print(f"floor {kind:<5} shards: per push+fetch {row['wall_s'] * 1e3:.2f} ms wall, "
+              f"client CPU {row['client_cpu_s'] * 1e3:.2f} ms, shards' CPU "
+              f"{row['shards_cpu_s'] * 1e3:.2f} ms (one client, quiet machine)", flush=True)
+    return out
+
+
 def fmt(t: float | None) -> str:
     return "   never" if t is None else f"{t:7.1f}s"
 
@@ -312,8 +333,10 @@ def main() -> None:
         print(f"== {work}: {n_params(WORKLOADS[work][0](ds, args.seed)):,} parameters, "
               f"replicas={args.replicas} shards={args.shards} cores={os.cpu_count()}",
               flush=True)
+        if "floor" in args.methods:
+            results.setdefault(work, {})["floor"] = [floor(args, work)]
         for r in range(args.repeats):
-            for method in args.methods:
+            for method in (m for m in args.methods if m != "floor"):
                 out = runs[method](work)
                 results.setdefault(work, {}).setdefault(method, []).append(out)
                 t = time_to(out["curve"], args.target)
@@ -351,6 +374,15 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
         print(f"   downpour / single-all samples/s = {dp / allc:.2f}")
     if dp and dd:
         print(f"   downpour / ddp samples/s = {dp / dd:.2f}")
+    if res.get("floor") and one:
+        from _callfloor import bound
+
+        step_s = WORKLOADS[work][2] / one  # one thread's seconds per mini-batch
+        floors = res["floor"][0]
+        print(f"   bound on downpour / cores' limit from Ray's CPU per push+fetch (a "
+              f"single-1t step {step_s * 1e3:.1f} ms): null shards "
+              f"{bound(step_s, floors['null']):.2f}, real shards "
+              f"{bound(step_s, floors['real']):.2f}")
     freeing = med("downpour-freeing")
     if dp and freeing:
         print(f"   keeping freed memory: downpour / downpour-freeing samples/s = "
