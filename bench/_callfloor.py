@@ -3,7 +3,9 @@
 A Downpour replica with ``n_fetch = n_push = 1`` (the defaults) sends one fused push+fetch
 call per shard each step (``PSClient.push_fetch_into``). :func:`measure` times such calls
 from one client actor (a replica's ``PSClient``, its process's malloc set as a replica's)
-to S shards of two kinds, in turn: ``null`` shards that answer each call with their slice
+to S shards of two kinds, in turn, all created with distbelief's actor options
+(``distbelief.cluster.actor_options``: Ray's task events off unless
+``DISTBELIEF_TASK_EVENTS=1``): ``null`` shards that answer each call with their slice
 without reading the gradient (Ray's cost alone: the call, the arguments and the reply), and
 the real ``ParameterShard`` with the workload's update rule. Per call it reports the wall
 time, the client process's CPU time and the shards' CPU time (all shards together, read from
@@ -11,9 +13,12 @@ time, the client process's CPU time and the shards' CPU time (all shards togethe
 otherwise quiet machine with one client, so nothing competes for the cores.
 
 Each step of a replica needs at least its compute plus that CPU: where one process of one
-thread takes ``t1`` seconds a step (its evaluations included), R replicas on R cores reach
-at most ``t1 / (t1 + client CPU + shards' CPU)`` of the cores' limit (R x the one-thread
-rate), whatever the replicas, shards and driver do besides (:func:`bound`).
+thread takes ``t1`` seconds a step (its optimizer's update and its evaluations included),
+R replicas on R cores reach at most ``t1 / (t1 + client CPU + null shards' CPU)`` of the
+cores' limit (R x the one-thread rate), whatever the replicas, shards and driver do besides
+(:func:`bound`). The null shards' CPU is the right one there: the update a real shard
+applies is the one ``t1`` already counts (real shards' CPU minus the null shards' is that
+update and the checks).
 
 Used by ``bench/workloads.py --methods ... floor``; the actor classes are sent to Ray by
 value (this folder is not on the workers' path).
@@ -32,6 +37,7 @@ import ray
 from ray import cloudpickle
 
 from distbelief.allocator import keep_freed_memory
+from distbelief.cluster import actor_options
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
 from distbelief.ps.shard import ParameterShard
@@ -96,10 +102,12 @@ def measure(n: int, shards: int, optimizer: str, lr: float, calls: int = 200,
     ``null`` and ``real`` shards: ``wall_s``, ``client_cpu_s``, ``shards_cpu_s`` (medians
     over ``rounds``; the kinds take turns within each round). Needs a Ray session."""
     plan = ShardPlan.build([("w", (n,))], shards)
-    null_cls, client_cls = ray.remote(num_cpus=0)(NullPushFetch), ray.remote(num_cpus=0)(Client)
+    opts = actor_options()  # as distbelief creates its actors
+    null_cls = ray.remote(num_cpus=0)(NullPushFetch).options(**opts)
+    client_cls = ray.remote(num_cpus=0)(Client).options(**opts)
     kinds = {
         "null": [null_cls.remote(plan.shard_size(i)) for i in range(shards)],
-        "real": [ParameterShard.options(num_cpus=0).remote(
+        "real": [ParameterShard.options(num_cpus=0, **opts).remote(
             i, np.zeros(plan.shard_size(i), np.float32), optimizer, lr) for i in range(shards)],
     }
     pids = {k: ray.get([h.pid.remote() for h in hs]) for k, hs in kinds.items()}

@@ -45,6 +45,7 @@ import ray
 from _common import parser as make_parser
 from _common import ray_session
 
+from distbelief.cluster import actor_options
 from distbelief.ps.client import PSClient
 from distbelief.ps.optim import make_rule
 from distbelief.ps.plan import ShardPlan
@@ -113,10 +114,13 @@ class Read(Null):
         return bool(np.isfinite(np.add.reduce(part)))
 
 
-NullShard, ReadShard = ray.remote(num_cpus=0)(Null), ray.remote(num_cpus=0)(Read)
+# every actor here is created as distbelief creates its own (Ray's task events off)
+Shard = ParameterShard.options(**actor_options())
+NullShard = ray.remote(num_cpus=0)(Null).options(**actor_options())
+ReadShard = ray.remote(num_cpus=0)(Read).options(**actor_options())
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, **actor_options())
 class Pusher:
     """A client in its own process, like a replica: pushes one gradient ``repeat`` times."""
 
@@ -162,10 +166,10 @@ def backup_costs(args) -> None:
             plan = ShardPlan.build([("w", (n,))], shards)
             groups, clients = [], []
             for b in args.backups:
-                handles = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
-                                                 "adagrad", 0.01) for i in range(shards)]
-                standbys = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
-                                                  "adagrad", 0.01)
+                handles = [Shard.remote(i, np.zeros(plan.shard_size(i), np.float32),
+                                        "adagrad", 0.01) for i in range(shards)]
+                standbys = [Shard.remote(i, np.zeros(plan.shard_size(i), np.float32),
+                                         "adagrad", 0.01)
                             for i in range(shards) for _ in range(b)]
                 ray.get([h.attach.remote(s) for k, h in enumerate(handles)
                          for s in standbys[k * b:(k + 1) * b]])
@@ -231,8 +235,8 @@ def compare(args, base: InProcess, n: int, shards: int, store: int) -> None:
     """Every variant at one gradient size and shard count: warmed, then timed in turns."""
     mb = n * 4 / 2**20
     plan = ShardPlan.build([("w", (n,))], shards)
-    handles = [ParameterShard.remote(i, np.zeros(plan.shard_size(i), np.float32),
-                                     "adagrad", 0.01) for i in range(shards)]
+    handles = [Shard.remote(i, np.zeros(plan.shard_size(i), np.float32), "adagrad", 0.01)
+               for i in range(shards)]
     grad, flat = np.ones(n, np.float32), np.empty(n, np.float32)
     floor_shards = {
         "null": [NullShard.remote(plan.shard_size(i)) for i in range(shards)],

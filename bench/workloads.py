@@ -22,7 +22,9 @@ Every method trains the same seeded initial model on the same number of samples:
   its actors (what :mod:`distbelief.allocator` buys), and ``downpour-plasma`` for Downpour
   with Ray's default 100 KiB limit on arguments and results sent inline (what
   ``distbelief.cluster.INLINE_BYTES`` buys: gradient parts and fetch replies up to 1 MiB a
-  shard skip the object store).
+  shard skip the object store), and ``downpour-taskevents`` for Downpour with Ray's task
+  events on for its actors' calls (``DISTBELIEF_TASK_EVENTS=1``: what
+  ``distbelief.cluster.actor_options`` buys by turning them off).
 - ``floor`` (name it in ``--methods``; once per workload, not per repeat): Ray's own CPU cost
   of a replica's push+fetch at this model's size and ``--shards``, to null shards and to real
   ones (:mod:`_callfloor`), and the bound it sets on Downpour / cores' limit with
@@ -314,7 +316,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-workloads")
     args = parser.parse_args()
     from distbelief.allocator import OFF_ENV
-    from distbelief.cluster import INLINE_ENV
+    from distbelief.cluster import INLINE_ENV, TASK_EVENTS_ENV
 
     runs = {
         "single-1t": lambda w: single(args, w, 1),
@@ -324,6 +326,7 @@ def main() -> None:
         "downpour-noeval": lambda w: downpour(args, w, 1000.0),
         "downpour-freeing": lambda w: downpour(args, w, None, env={OFF_ENV: "0"}),
         "downpour-plasma": lambda w: downpour(args, w, None, env={INLINE_ENV: "102400"}),
+        "downpour-taskevents": lambda w: downpour(args, w, None, env={TASK_EVENTS_ENV: "1"}),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
@@ -379,10 +382,12 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
 
         step_s = WORKLOADS[work][2] / one  # one thread's seconds per mini-batch
         floors = res["floor"][0]
-        print(f"   bound on downpour / cores' limit from Ray's CPU per push+fetch (a "
-              f"single-1t step {step_s * 1e3:.1f} ms): null shards "
-              f"{bound(step_s, floors['null']):.2f}, real shards "
-              f"{bound(step_s, floors['real']):.2f}")
+        extra = sum(floors["real"][k] - floors["null"][k] for k in ("client_cpu_s",
+                                                                     "shards_cpu_s"))
+        print(f"   bound on downpour / cores' limit from Ray's CPU per push+fetch (null "
+              f"shards; a single-1t step {step_s * 1e3:.1f} ms, its optimizer's update "
+              f"included) = {bound(step_s, floors['null']):.2f}; real shards add "
+              f"{extra * 1e3:.2f} ms of CPU per push+fetch (their checks and update)")
     freeing = med("downpour-freeing")
     if dp and freeing:
         print(f"   keeping freed memory: downpour / downpour-freeing samples/s = "
@@ -390,6 +395,10 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     plasma = med("downpour-plasma")
     if dp and plasma:
         print(f"   inline calls: downpour / downpour-plasma samples/s = {dp / plasma:.2f}")
+    events = med("downpour-taskevents")
+    if dp and events:
+        print(f"   Ray's task events off: downpour / downpour-taskevents samples/s = "
+              f"{dp / events:.2f}")
     noeval = med("downpour-noeval")
     if dp and noeval:
         print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")
@@ -406,7 +415,7 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
         print(f"   samples to {args.target:.0%} (at the evaluation that saw it): "
               f"downpour / single-all = {sp / sa:.2f}")
     for method in ("downpour", "downpour-noeval", "downpour-freeing", "downpour-plasma",
-                   "downpour-gpu"):
+                   "downpour-taskevents", "downpour-gpu"):
         for i, r in enumerate(res.get(method, [])):
             if r.get("breakdown"):
                 total = sum(r["breakdown"].values())

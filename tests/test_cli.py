@@ -117,6 +117,18 @@ def test_a_bad_inline_size_in_the_environment_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_bad_task_events_switch_in_the_environment_is_one_line_and_exit_2(tmp_path):
+    env = dict(os.environ, DISTBELIEF_TASK_EVENTS="yes")
+    proc = subprocess.run([sys.executable, "-m", "distbelief.cli", "train", "--steps", "5",
+                           "--run-dir", str(tmp_path / "r")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "distbelief: error: DISTBELIEF_TASK_EVENTS='yes': set it to 1 (Ray's task events on, "
+        "as in Ray's tools) or 0, or unset it")
+    assert not (tmp_path / "r").exists()
+
+
 def bad_npz(tmp_path, **arrays):
     rng = np.random.default_rng(0)
     good = {"x_train": rng.random((20, 4), dtype=np.float32), "y_train": np.arange(20) % 3,

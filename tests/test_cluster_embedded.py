@@ -62,3 +62,16 @@ def test_inline_bytes_comes_from_the_environment_or_names_the_fix(monkeypatch):
     monkeypatch.setenv(cluster.INLINE_ENV, "1MB")
     with pytest.raises(UserError, match="DISTBELIEF_INLINE_BYTES='1MB' is not a byte"):
         cluster.inline_bytes()
+
+
+def test_task_events_are_off_unless_the_environment_turns_them_on(monkeypatch):
+    monkeypatch.delenv(cluster.TASK_EVENTS_ENV, raising=False)
+    assert cluster.actor_options() == {"enable_task_events": False}
+    monkeypatch.setenv(cluster.TASK_EVENTS_ENV, "1")
+    assert cluster.actor_options() == {"enable_task_events": True}
+    monkeypatch.setenv(cluster.TASK_EVENTS_ENV, "0")
+    assert cluster.actor_options() == {"enable_task_events": False}
+    monkeypatch.setenv(cluster.TASK_EVENTS_ENV, "yes")
+    with pytest.raises(UserError, match="DISTBELIEF_TASK_EVENTS='yes': set it to 1"):
+        cluster.actor_options()
+

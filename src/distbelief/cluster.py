@@ -34,6 +34,29 @@ INLINE_BYTES = 1 << 20
 INLINE_ENV = "DISTBELIEF_INLINE_BYTES"  # set it to measure other sizes
 
 
+# Ray records an event for every task, for its dashboard and `ray list tasks`, and a caller
+# holds each call's task spec, inline arguments included, until its events are reported
+# (about every second). Measured 2026-12-07 (BENCHMARKS.md, "Ray's task events"): a client
+# sending the CNN's push+fetch (two 0.9 MB calls) back to back grew to 1.4 GB against 330 MB
+# without them, took 250-370 page faults a call while it grew, and spent 3.4 ms of CPU a call
+# against 1.9 ms; a CNN replica, at one such call per 40 ms step, peaked at 460 MB against
+# 400 MB (its samples/s did not change). Every actor of ours is created with
+# :func:`actor_options`, which turn them off for its calls, as Ray Serve does for its own
+# actors; ``DISTBELIEF_TASK_EVENTS=1`` in the driver's environment turns them back on (to
+# see the tasks in Ray's tools, or to measure what they cost).
+TASK_EVENTS_ENV = "DISTBELIEF_TASK_EVENTS"
+
+
+def actor_options() -> dict:
+    """Ray options every actor of ours is created with: Ray's task events off, unless
+    ``DISTBELIEF_TASK_EVENTS=1`` (read at each call). Another value is a :class:`UserError`."""
+    value = os.environ.get(TASK_EVENTS_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise UserError(f"{TASK_EVENTS_ENV}={value!r}: set it to 1 (Ray's task events on, "
+                        "as in Ray's tools) or 0, or unset it")
+    return {"enable_task_events": value == "1"}
+
+
 def inline_bytes() -> int:
     """The largest call argument or result sent inline (``INLINE_BYTES``, or the
     environment's ``DISTBELIEF_INLINE_BYTES``, which an embedded session's workers inherit)."""
@@ -71,8 +94,9 @@ def connect(address: str | None = None, num_cpus: int | None = None,
 
     ``num_cpus`` (embedded only) is the number of logical CPUs Ray schedules actors on;
     ``object_store_memory`` is in bytes. Raises :class:`UserError` for an unreachable or
-    unauthenticated cluster.
+    unauthenticated cluster, or a bad ``DISTBELIEF_TASK_EVENTS`` (named before Ray starts).
     """
+    actor_options()
     if address:
         _join(address)
         return

@@ -32,6 +32,7 @@ import ray
 import torch
 
 from distbelief.allocator import keep_freed_memory
+from distbelief.cluster import actor_options
 
 
 def job_cores(actors: int, cluster_cpus: float, local_cpus: int | None) -> float:
@@ -241,7 +242,8 @@ class Evaluations:
                 self._start_actor()
 
     def _start_actor(self) -> None:
-        self.actor = EvalActor.options(num_cpus=0).remote(self.evaluator.sampled(self.rows))
+        self.actor = EvalActor.options(num_cpus=0, **actor_options()).remote(
+            self.evaluator.sampled(self.rows))
 
     def where(self) -> str:
         """Where periodic evaluations run: ``actor`` or ``driver``."""

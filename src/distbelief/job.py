@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distbelief import storage
 from distbelief.checkpoint import save_arrays
+from distbelief.cluster import actor_options
 from distbelief.metrics import RunLog, plot_run
 
 ACTOR_NAME_TRIES = 200  # 50 ms apart: how long a dead actor's name may take Ray to free
@@ -116,7 +117,7 @@ class Job:
         affinity: Ray places it elsewhere when that node cannot take it); Ray's own
         ``SPREAD`` is best-effort and, since actors hold no CPU once placed, may put every
         replica on one node."""
-        options = dict(options or {})
+        options = actor_options() | dict(options or {})
         if "scheduling_strategy" not in options:
             node = node_for(live_nodes("GPU" if options.get("num_gpus") else "CPU"), index)
             options["scheduling_strategy"] = "SPREAD" if node is None else \

@@ -24,6 +24,7 @@ import ray
 import torch
 from torch import nn
 
+from distbelief.cluster import actor_options
 from distbelief.modelpar.geometry import Message
 from distbelief.modelpar.layerwise import LayerwisePlan
 from distbelief.modelpar.plan import PartitionPlan, gather_slices
@@ -61,7 +62,7 @@ class PartitionGroup:
                  shards: list | None = None, replica: int = -1,
                  options: dict | None = None) -> None:
         self.plan, self.k = plan, plan.num_partitions
-        self.workers = [PartitionWorker.options(**(options or {})).remote(
+        self.workers = [PartitionWorker.options(**actor_options() | (options or {})).remote(
             plan, k, partition_piece(plan, k, model), shard_plan, shards, replica)
             for k in range(self.k)]
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from distbelief.cluster import actor_options
 from distbelief.ps.group import ShardGroup, dead_shards
 
 __all__ = ["FailoverGroup", "ShardDirectory"]
@@ -55,8 +56,8 @@ class FailoverGroup(ShardGroup):
         super().start(restored, source)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                               soft=False)  # the driver's node: it stays
-        self.directory = ShardDirectory.options(name=self.directory_name,
-                                                scheduling_strategy=here).remote(self._handles)
+        self.directory = ShardDirectory.options(name=self.directory_name, scheduling_strategy=here,
+                                                **actor_options()).remote(self._handles)
         for i in range(self.count):
             self._replenish(i)
         return self
