@@ -103,29 +103,22 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert proc.stdout == ""
 
 
-def test_a_bad_inline_size_in_the_environment_is_one_line_and_exit_2(tmp_path):
-    """Read where the run connects, not when the package is imported (a traceback then)."""
-    env = dict(os.environ, DISTBELIEF_INLINE_BYTES="1MB")
+@pytest.mark.parametrize("name,value,message", [
+    ("DISTBELIEF_INLINE_BYTES", "1MB", "DISTBELIEF_INLINE_BYTES='1MB' is not a byte count: set "
+     "it to a whole number of bytes (Ray's own default is 102400) or unset it"),
+    ("DISTBELIEF_TASK_EVENTS", "yes", "DISTBELIEF_TASK_EVENTS='yes': set it to 1 (Ray's task "
+     "events on, as in Ray's tools) or 0, or unset it"),
+])
+def test_a_bad_switch_in_the_environment_is_one_line_and_exit_2(tmp_path, name, value, message):
+    """Read where the run connects, not when the package is imported (a traceback then),
+    and before the run folder is made."""
+    env = dict(os.environ, **{name: value})
     proc = subprocess.run([sys.executable, "-m", "distbelief.cli", "train", "--steps", "5",
                            "--run-dir", str(tmp_path / "r")], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (
-        "distbelief: error: DISTBELIEF_INLINE_BYTES='1MB' is not a byte count: set it to a "
-        "whole number of bytes (Ray's own default is 102400) or unset it")
+    assert proc.stderr.strip() == f"distbelief: error: {message}"
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "r").exists()
-
-
-def test_a_bad_task_events_switch_in_the_environment_is_one_line_and_exit_2(tmp_path):
-    env = dict(os.environ, DISTBELIEF_TASK_EVENTS="yes")
-    proc = subprocess.run([sys.executable, "-m", "distbelief.cli", "train", "--steps", "5",
-                           "--run-dir", str(tmp_path / "r")], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == (
-        "distbelief: error: DISTBELIEF_TASK_EVENTS='yes': set it to 1 (Ray's task events on, "
-        "as in Ray's tools) or 0, or unset it")
     assert not (tmp_path / "r").exists()
 
 
