@@ -42,8 +42,10 @@ INLINE_ENV = "DISTBELIEF_INLINE_BYTES"  # set it to measure other sizes
 # against 1.9 ms; a CNN replica, at one such call per 40 ms step, peaked at 460 MB against
 # 400 MB (its samples/s did not change). Every actor of ours is created with
 # :func:`actor_options`, which turn them off for its calls, as Ray Serve does for its own
-# actors; ``DISTBELIEF_TASK_EVENTS=1`` in the driver's environment turns them back on (to
-# see the tasks in Ray's tools, or to measure what they cost).
+# actors; ``DISTBELIEF_TASK_EVENTS=1`` in the environment of the process that creates an
+# actor (the driver; a replica for its partitions, which inherits the driver's environment
+# in an embedded session) turns them back on, to see the tasks in Ray's tools or to measure
+# what they cost.
 TASK_EVENTS_ENV = "DISTBELIEF_TASK_EVENTS"
 
 
