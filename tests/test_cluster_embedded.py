@@ -1,5 +1,5 @@
-"""The embedded default opens no port to the network, and returns results up to
-``INLINE_BYTES`` inside the reply."""
+"""The embedded default opens no port to the network, returns results up to
+``INLINE_BYTES`` inside the reply, and our actors' calls skip Ray's task events."""
 
 import ipaddress
 import os
@@ -11,6 +11,7 @@ import ray
 
 from distbelief import cluster
 from distbelief.errors import UserError
+from distbelief.job import Job
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -75,3 +76,23 @@ def test_task_events_are_off_unless_the_environment_turns_them_on(monkeypatch):
     with pytest.raises(UserError, match="DISTBELIEF_TASK_EVENTS='yes': set it to 1"):
         cluster.actor_options()
 
+
+def test_actors_made_by_a_job_skip_task_events_and_their_handles_carry_it(monkeypatch):
+    """What ``enable_task_events`` an actor's calls get is its handle's
+    ``_ray_enable_task_events`` (Ray's documented handle attribute), also where the handle
+    travels to: a replica calls its shards through handles passed to it."""
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def flag(self, handles: list) -> bool:
+            return handles[0]._ray_enable_task_events
+
+    job = Job("events", "downpour", None)
+    monkeypatch.delenv(cluster.TASK_EVENTS_ENV, raising=False)
+    off = job.actor(Probe, "probe", 0)
+    monkeypatch.setenv(cluster.TASK_EVENTS_ENV, "1")
+    on = job.actor(Probe, "probe", 1)
+    assert (off._ray_enable_task_events, on._ray_enable_task_events) == (False, True)
+    assert ray.get(on.flag.remote([off])) is False
+    assert ray.get(off.flag.remote([on])) is True
+    for handle in (off, on):
+        ray.kill(handle)
