@@ -16,7 +16,9 @@ measures, on one Ray session with the given logical CPUs:
 
 Items 2 and 3 decide whether Compiled Graphs can carry Downpour; the script prints the
 verdict from its own figures. The shards here are toys, not distbelief's ``ParameterShard``:
-the question is Ray's transport, not our update.
+the question is Ray's transport, not our update. Both actors keep freed memory and skip
+Ray's task events, as distbelief's actors do (``distbelief.allocator``,
+``distbelief.cluster.actor_options``).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ def actors():
     import ray
     from ray.dag import InputNode, MultiOutputNode
 
+    from distbelief.allocator import keep_freed_memory
     from distbelief.cluster import actor_options
 
     @ray.remote
     class ToyShard:
         def __init__(self, size: int) -> None:
+            keep_freed_memory()  # as distbelief's actors do
             self.w = np.zeros(size, np.float32)
 
         def push_fetch(self, grad: np.ndarray) -> np.ndarray:
@@ -54,6 +58,7 @@ def actors():
     @ray.remote
     class Client:
         def __init__(self, shards: list, size: int) -> None:
+            keep_freed_memory()
             self.shards, self.grad, self.graph = shards, np.ones(size, np.float32), None
 
         def pid(self) -> int:
