@@ -14,6 +14,11 @@ Every method trains the same seeded initial model on the same number of samples:
 - ``single-1t`` / ``single-all``: a plain torch loop (the same torch.optim class) with 1
   thread and with ``--replicas`` threads. The cores' limit for R single-threaded workers is R x the
   one-thread rate of the same run.
+- ``independent`` (name it in ``--methods``): R one-thread loops at once in R processes,
+  each over its own 1/R of the rows and mini-batches, never communicating: what the cores
+  give R workers with no communication at all (shared caches, memory bandwidth, clocks),
+  against the cores' limit, which assumes they scale perfectly. Its accuracy is worker 0's
+  model, trained on 1/R of the samples.
 - ``ddp``: PyTorch DistributedDataParallel over gloo on 127.0.0.1, R processes of 1 thread.
 - ``downpour``: ``DownpourSGD`` with R replicas and S shards (``--n-fetch``, ``--n-push``:
   its defaults, 1) and its default evaluation, and
@@ -141,9 +146,12 @@ class BaselineEvals:
         return acc
 
 
-def single(args, work: str, threads: int, device: str = "cpu") -> dict:
+def single(args, work: str, threads: int, device: str = "cpu", rank: int = 0,
+           workers: int = 1, barrier=None) -> dict:
     """A plain torch loop with ``threads`` threads over all the workload's mini-batches, its
-    model and data on ``device``."""
+    model and data on ``device``; as worker ``rank`` of ``workers`` (``independent``), over
+    its own 1/workers of the rows and of the mini-batches, its clock started when every
+    worker is ready (``barrier``)."""
     build, lr, batch, batches = WORKLOADS[work]
     torch.set_num_threads(threads)
     ds = data.load("mnist")
@@ -151,9 +159,11 @@ def single(args, work: str, threads: int, device: str = "cpu") -> dict:
     opt = TORCH_OPTIM[OPTIMIZER[work]](model.parameters(), lr=lr)
     x, y, xt, yt = (torch.from_numpy(a).to(device)
                     for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
-    sampler = ReplicaSampler(len(x), 0, 1, batch, args.seed, "epoch")
+    sampler = ReplicaSampler(len(x), rank, workers, batch, args.seed, "epoch")
     loss_fn, curve = nn.CrossEntropyLoss(), []
-    steps = getattr(args, batches)
+    steps = getattr(args, batches) // workers
+    if barrier is not None:
+        barrier.wait()
     start = time.perf_counter()
     per_pass = pass_rows(model, xt)
     evals = BaselineEvals(args, threads, start, per_pass)
@@ -170,6 +180,29 @@ def single(args, work: str, threads: int, device: str = "cpu") -> dict:
     wall = time.perf_counter() - start
     curve.append((wall, accuracy(model, xt, yt, per_pass), steps * batch))
     return {"samples_s": steps * batch / wall, "curve": curve, "wall_s": wall}
+
+
+def independent_worker(rank: int, args, work: str, barrier, out: str) -> None:
+    """One of ``args.replicas`` one-thread torch loops that never communicate."""
+    Path(out, f"{rank}.json").write_text(json.dumps(
+        single(args, work, 1, rank=rank, workers=args.replicas, barrier=barrier)))
+
+
+def independent(args, work: str) -> dict:
+    """R one-thread torch loops at once, each over its own 1/R of the rows and of the
+    mini-batches, started together: what the cores give R workers that never communicate
+    (their caches, memory bandwidth and clocks shared), the ceiling for any data-parallel
+    method on them. samples/s is all their samples over the slowest one's wall time; the
+    curve is worker 0's own model (trained on 1/R of the samples, so not comparable)."""
+    barrier = mp.get_context("spawn").Barrier(args.replicas)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(independent_worker, args=(args, work, barrier, tmp), nprocs=args.replicas,
+                 join=True)
+        outs = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(args.replicas)]
+    samples = sum(o["samples_s"] * o["wall_s"] for o in outs)
+    wall = max(o["wall_s"] for o in outs)
+    return {"samples_s": samples / wall, "curve": outs[0]["curve"], "wall_s": wall,
+            "worker_samples_s": [o["samples_s"] for o in outs]}
 
 
 def ddp_worker(rank: int, args, work: str, port: int, out: str) -> None:
@@ -321,6 +354,7 @@ def main() -> None:
     runs = {
         "single-1t": lambda w: single(args, w, 1),
         "single-all": lambda w: single(args, w, args.replicas),
+        "independent": lambda w: independent(args, w),
         "ddp": lambda w: ddp(args, w),
         "downpour": lambda w: downpour(args, w, None),
         "downpour-noeval": lambda w: downpour(args, w, 1000.0),
@@ -346,6 +380,9 @@ def main() -> None:
                 n = samples_to(out["curve"], args.target)
                 extra = "".join(f" {k}={v * 1e3:.1f}ms" for k, v in
                                 out.get("breakdown", {}).items())
+                if "worker_samples_s" in out:
+                    extra += " each worker " + " / ".join(f"{v:.0f}" for v in
+                                                          out["worker_samples_s"])
                 print(f"repeat {r} {method:<16} {out['samples_s']:8.0f} samples/s  "
                       f"time to {args.target:.0%}: {fmt(t)} ({'-' if n is None else n} "
                       f"samples, {len(out['curve']) - 1} evaluations)  final acc "
@@ -373,6 +410,14 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     if dp and one:
         print(f"   downpour / cores' limit ({args.replicas} x single-1t) = "
               f"{dp / (args.replicas * one):.2f}")
+    ind = med("independent")
+    if ind and one:
+        print(f"   independent / cores' limit = {ind / (args.replicas * one):.2f} (what the "
+              f"cores give {args.replicas} one-thread loops that never communicate)")
+    if dp and ind:
+        print(f"   downpour / independent samples/s = {dp / ind:.2f}")
+    if dd and ind:
+        print(f"   ddp / independent samples/s = {dd / ind:.2f}")
     if dp and allc:
         print(f"   downpour / single-all samples/s = {dp / allc:.2f}")
     if dp and dd:
