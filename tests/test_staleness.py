@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distbelief import DownpourSGD, data, models
+from distbelief.errors import UserError
 from distbelief.ps.optim import SGD, Adagrad
 from distbelief.ps.shard import ShardCore
 from distbelief.ps.staleness import StalenessControl, compensate, lr_scale
@@ -183,6 +184,15 @@ def test_simulated_equal_speed_replicas_push_about_r_minus_1_stale():
     assert sum(per_shard.values()) == 48
     assert abs(plain.mean_staleness() - 3) < 0.5  # jitter swaps some pushes, not the mean
     assert sim(4) == plain  # seeded: the same run twice
+
+
+def test_simulated_shards_take_the_optimizers_arguments():
+    plain = sim(2, optimizer="adam")
+    assert sim(2, optimizer="adam", optimizer_args=("betas=0.9,0.999",)) == plain  # torch's
+    low = sim(2, optimizer="adam", optimizer_args=("betas=0.5,0.999",))
+    assert low.staleness == plain.staleness and low.curve != plain.curve
+    with pytest.raises(UserError, match="no_such_arg"):
+        sim(2, optimizer="adam", optimizer_args=("no_such_arg=1",))
 
 
 def test_simulated_lockstep_spreads_staleness_over_0_to_r_minus_1():

@@ -38,7 +38,8 @@ __all__ = ["SimConfig", "SimResult", "simulate"]
 class SimConfig:
     """One simulated run: ``replicas`` each running ``steps`` mini-batches of ``batch_size``
     over ``shards`` shards updated by ``optimizer`` at ``lr``; the staleness remedies as the
-    flags of the same names; ``eval_every``: global updates between test evaluations."""
+    flags of the same names; ``eval_every``: global updates between test evaluations;
+    ``optimizer_args``: ``--optimizer-arg`` strings (``betas=0.5,0.999``)."""
 
     replicas: int
     steps: int
@@ -54,6 +55,7 @@ class SimConfig:
     backup_workers: int | None = None
     jitter: float = 0.1
     eval_every: int = 30
+    optimizer_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -87,7 +89,8 @@ def simulate(model: nn.Module, loss_fn: nn.Module, x_train: np.ndarray, y_train:
     average = parse_average(cfg.average) if cfg.average else None
     shards = []
     for s in range(cfg.shards):
-        core = ShardCore(s, flat0[bounds[s]:bounds[s + 1]], make_rule(cfg.optimizer, cfg.lr))
+        rule = make_rule(cfg.optimizer, cfg.lr, args=cfg.optimizer_args)
+        core = ShardCore(s, flat0[bounds[s]:bounds[s + 1]], rule)
         core.keep_extras(None, average, control if control.active else None)
         if cfg.backup_workers is not None:
             core.keep_sync(cfg.replicas - cfg.backup_workers, cfg.steps)
