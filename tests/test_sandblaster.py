@@ -75,7 +75,7 @@ class Rig:
 def test_backup_copies_count_every_portion_exactly_once(digits):
     model = models.mlp(digits.features, 16, 10, seed=1)
     want_loss, want_grad = full_batch_reference(model, digits.x_train, digits.y_train)
-    rig = Rig(model, digits.x_train, digits.y_train, slow={0: 30.0})
+    rig = Rig(model, digits.x_train, digits.y_train, slow={0: 300.0})
     try:
         ray.get([a.where.remote() for a in rig.actors])  # every replica up before batch 1
         for _ in range(3):
