@@ -32,8 +32,8 @@ import sys
 import time
 
 import numpy as np
-import psutil
 import ray
+from _common import cpu_seconds
 from ray import cloudpickle
 
 from distbelief.allocator import keep_freed_memory
@@ -92,10 +92,6 @@ class Client:
         return (time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls
 
 
-def _cpu(pids: list[int]) -> float:
-    return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
-
-
 def measure(n: int, shards: int, optimizer: str, lr: float, calls: int = 200,
             rounds: int = 3) -> dict[str, dict[str, float]]:
     """Per push+fetch of an ``n``-parameter float32 model over ``shards`` shards, for
@@ -116,9 +112,9 @@ def measure(n: int, shards: int, optimizer: str, lr: float, calls: int = 200,
     rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     for _ in range(rounds):
         for k, c in clients.items():
-            before = _cpu(pids[k])
+            before = cpu_seconds(pids[k])
             wall, cpu = ray.get(c.run.remote(calls))
-            rows[k].append((wall, cpu, (_cpu(pids[k]) - before) / calls))
+            rows[k].append((wall, cpu, (cpu_seconds(pids[k]) - before) / calls))
     for handle in [*clients.values(), *(h for hs in kinds.values() for h in hs)]:
         ray.kill(handle)
     return {k: {name: statistics.median(r[i] for r in rs)

@@ -54,6 +54,13 @@ def ray_session(num_cpus: int, object_store_memory: int | None = None) -> Iterat
         ray.shutdown()
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU seconds the processes ``pids`` have used so far (from ``/proc``)."""
+    import psutil
+
+    return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

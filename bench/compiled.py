@@ -29,9 +29,8 @@ import sys
 import time
 
 import numpy as np
-import psutil
+from _common import cpu_seconds, ray_session
 from _common import parser as make_parser
-from _common import ray_session
 
 
 def actors():
@@ -88,11 +87,7 @@ def actors():
     return ToyShard.options(**options), Client.options(**options)
 
 
-def cpu_seconds(procs: list[psutil.Process]) -> float:
-    return sum(sum(p.cpu_times()[:2]) for p in procs)
-
-
-def per_call(client, procs_client, procs_shards, calls: int, rounds: int,
+def per_call(client, pids_client, pids_shards, calls: int, rounds: int,
              compiled: bool) -> tuple[float, float, float]:
     """Median over rounds of (wall ms, client CPU ms, shards' CPU ms) per call."""
     import ray
@@ -100,9 +95,9 @@ def per_call(client, procs_client, procs_shards, calls: int, rounds: int,
     ray.get(client.calls.remote(max(10, calls // 10), compiled))  # warm
     rows = []
     for _ in range(rounds):
-        c0, s0 = cpu_seconds(procs_client), cpu_seconds(procs_shards)
+        c0, s0 = cpu_seconds(pids_client), cpu_seconds(pids_shards)
         wall = ray.get(client.calls.remote(calls, compiled))
-        c1, s1 = cpu_seconds(procs_client), cpu_seconds(procs_shards)
+        c1, s1 = cpu_seconds(pids_client), cpu_seconds(pids_shards)
         rows.append((wall / calls * 1e3, (c1 - c0) / calls * 1e3, (s1 - s0) / calls * 1e3))
     return tuple(statistics.median(r[i] for r in rows) for i in range(3))
 
@@ -126,20 +121,20 @@ def main() -> None:
         ToyShard, Client = actors()
         size = args.params // args.shards
         shards = [ToyShard.remote(size) for _ in range(args.shards)]
-        procs_shards = [psutil.Process(pid) for pid in ray.get([s.pid.remote() for s in shards])]
+        pids_shards = ray.get([s.pid.remote() for s in shards])
         first, second = Client.remote(shards, size), Client.remote(shards, size)
-        procs_first = [psutil.Process(ray.get(first.pid.remote()))]
+        pids_first = [ray.get(first.pid.remote())]
         print(f"{args.params} float32 parameters over {args.shards} shards, {args.cpus} CPUs, "
               f"{args.rounds} rounds of {args.calls} calls; per push+fetch (median of rounds):")
         print(f"{'transport':>10} {'wall ms':>8} {'client CPU ms':>13} {'shards CPU ms':>13}")
-        plain = per_call(first, procs_first, procs_shards, args.calls, args.rounds, False)
+        plain = per_call(first, pids_first, pids_shards, args.calls, args.rounds, False)
         print(f"{'plain':>10} {plain[0]:>8.2f} {plain[1]:>13.2f} {plain[2]:>13.2f}")
         ray.get(first.compile.remote())
-        graph = per_call(first, procs_first, procs_shards, args.calls, args.rounds, True)
+        graph = per_call(first, pids_first, pids_shards, args.calls, args.rounds, True)
         print(f"{'compiled':>10} {graph[0]:>8.2f} {graph[1]:>13.2f} {graph[2]:>13.2f}")
-        s0 = cpu_seconds(procs_shards)
+        s0 = cpu_seconds(pids_shards)
         time.sleep(args.idle)
-        idle = (cpu_seconds(procs_shards) - s0) / args.idle
+        idle = (cpu_seconds(pids_shards) - s0) / args.idle
         print(f"idle, graph compiled: the {args.shards} shards use {idle:.2f} cores "
               f"({idle / args.shards:.0%} of a core each)")
         try:
