@@ -364,6 +364,10 @@ def main() -> None:
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
+    unknown = [m for m in args.methods if m not in runs and m != "floor"]
+    if unknown:
+        parser.error(f"--methods {' '.join(unknown)}: not a method; choose from floor "
+                     + " ".join(runs))
     results: dict[str, dict[str, list[dict]]] = {}
     for work in args.workloads:
         ds = data.load("mnist")

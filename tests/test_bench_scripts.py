@@ -38,3 +38,11 @@ def test_every_bench_script_prints_its_help():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report == {name: [0, True] for name in names}
+
+
+def test_an_unknown_workloads_method_is_refused_before_anything_runs():
+    done = subprocess.run([sys.executable, "bench/workloads.py", "--methods", "downpour",
+                           "indepndent"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines()[-1].startswith(
+        "workloads.py: error: --methods indepndent: not a method; choose from floor single-1t")
