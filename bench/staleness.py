@@ -37,6 +37,8 @@ from torch import nn
 
 from distbelief import data, models
 from distbelief.asyncsim import SimConfig, simulate
+from distbelief.errors import UserError
+from distbelief.ps.optim import make_rule
 
 METHODS = {
     "downpour": {},
@@ -194,6 +196,11 @@ def main() -> None:
     p.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
     p.add_argument("--out", default="runs/bench-staleness")
     args = p.parse_args()
+    try:  # the shards' rule as every run builds it: a bad name or argument is one line
+        for lr in args.lrs:
+            make_rule(args.optimizer, lr, args=args.optimizer_arg)
+    except UserError as err:
+        p.error(str(err))
     ds = data.digits() if args.dataset == "digits" else data.mnist()
     began = time.time()
     rows = study(ds, args)

@@ -46,3 +46,13 @@ def test_an_unknown_workloads_method_is_refused_before_anything_runs():
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines()[-1].startswith(
         "workloads.py: error: --methods indepndent: not a method; choose from floor single-1t")
+
+
+def test_a_bad_optimizer_argument_to_the_staleness_study_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "bench/staleness.py", "--optimizer", "adam",
+                           "--optimizer-arg", "nope=1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines()[-1].startswith(
+        "staleness.py: error: --optimizer-arg nope: torch.optim.Adam (--optimizer adam) takes "
+        "no 'nope'")
