@@ -114,6 +114,12 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=10,
                    help="seconds the second graph's call may take (RAY_CGRAPH_get_timeout)")
     args = p.parse_args()
+    for name in ("shards", "cpus", "calls", "rounds", "timeout"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    if args.params < args.shards or args.idle <= 0:
+        p.error("--params must be at least --shards and --idle above 0 "
+                f"(got {args.params}, {args.shards}, {args.idle})")
     os.environ["RAY_CGRAPH_get_timeout"] = str(args.timeout)
     import ray
 

@@ -56,3 +56,10 @@ def test_a_bad_optimizer_argument_to_the_staleness_study_is_one_line_and_exit_2(
     assert done.stderr.splitlines()[-1].startswith(
         "staleness.py: error: --optimizer-arg nope: torch.optim.Adam (--optimizer adam) takes "
         "no 'nope'")
+
+
+def test_a_compiled_graph_bench_with_no_shards_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "bench/compiled.py", "--shards", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines()[-1] == "compiled.py: error: --shards must be at least 1 (got 0)"
