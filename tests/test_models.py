@@ -22,6 +22,28 @@ def test_cnn_takes_flat_square_images_and_is_seeded():
         models.cnn(32, 10)
 
 
+def test_the_cnns_activations_are_channels_last_and_change_no_value():
+    model = models.cnn(784, 10, seed=2)
+    plain = torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), *list(model)[1:])
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x, y = torch.randn(5, 784, generator=torch.Generator().manual_seed(0)), torch.arange(5)
+    seen = []
+    hook = model[1].register_forward_hook(lambda m, i, out: seen.append(out))
+    out = model(x)
+    hook.remove()
+    assert seen[0].is_contiguous(memory_format=torch.channels_last)
+    assert not seen[0].is_contiguous()
+    grads = []
+    for net, logits in ((model, out), (plain, plain(x))):
+        net.zero_grad()
+        torch.nn.functional.cross_entropy(logits, y).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    assert torch.allclose(out, plain(x), atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert all(p.grad.stride() == p.stride() for p in model.parameters())
+
+
 def test_lc_reads_mnist_rows_as_28x28_images():
     model = models.lc(784, 4, 10)
     assert model[0].unflattened_size == (1, 28, 28)
