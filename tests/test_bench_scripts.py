@@ -63,3 +63,11 @@ def test_a_compiled_graph_bench_with_no_shards_is_one_line_and_exit_2():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines()[-1] == "compiled.py: error: --shards must be at least 1 (got 0)"
+
+
+def test_a_layout_bench_with_no_steps_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "bench/layout.py", "--steps", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        "layout.py: error: --threads, --batch-size, --steps and --rounds must be at least 1")
