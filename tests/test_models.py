@@ -1,5 +1,7 @@
 """models: the built-in networks take the data's flat rows; the CNN learns real MNIST."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,13 @@ def test_cnn_takes_flat_square_images_and_is_seeded():
 
 def test_the_cnns_activations_are_channels_last_and_change_no_value():
     model = models.cnn(784, 10, seed=2)
-    plain = torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), *list(model)[1:])
+    m = list(model)  # ImageRows, conv, pool, ReLU, conv, pool, ReLU, flatten, linear, ...
+    assert [type(k).__name__ for k in m[1:7]] == ["Conv2d", "MaxPool2d", "ReLU"] * 2
+    # the textbook order: NCHW activations, each convolution's ReLU before its pool
+    plain = copy.deepcopy(torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), m[1], m[3],
+                                              m[2], m[4], m[6], m[5], *m[7:]))
+    for p in plain.parameters():  # default strides (the first conv's weight has others)
+        p.data = torch.empty(p.shape).copy_(p.data)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     x, y = torch.randn(5, 784, generator=torch.Generator().manual_seed(0)), torch.arange(5)
     seen = []

@@ -65,8 +65,10 @@ class ImageRows(nn.Unflatten):
 def cnn(features: int, classes: int, seed: int = 0, channels: int = 32,
         hidden: int = 128) -> nn.Module:
     """A small image CNN: two 5x5 convolutions (``channels`` then ``2 * channels``, 'same'
-    padding, each followed by ReLU and a 2x2 max-pool) and two linear layers (``hidden``
-    ReLU units, then ``classes`` logits). Seeded like :func:`mlp`.
+    padding, each followed by a 2x2 max-pool and ReLU) and two linear layers (``hidden``
+    ReLU units, then ``classes`` logits). Seeded like :func:`mlp`. Max-pool and ReLU
+    commute (the same values and gradients in either order), so the ReLU runs on the pooled
+    quarter of the activations.
 
     ``features`` must be a perfect square ``s * s`` (MNIST: 784, digits: 64); the model takes
     flat rows ``(N, features)`` and starts with an :class:`ImageRows` (an ``nn.Unflatten`` to
@@ -87,8 +89,8 @@ def cnn(features: int, classes: int, seed: int = 0, channels: int = 32,
     pooled = side // 2 // 2
     model = nn.Sequential(
         ImageRows(1, (1, side, side)),
-        nn.Conv2d(1, channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(channels, 2 * channels, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(1, channels, 5, padding=2), nn.MaxPool2d(2), nn.ReLU(),
+        nn.Conv2d(channels, 2 * channels, 5, padding=2), nn.MaxPool2d(2), nn.ReLU(),
         nn.Flatten(), nn.Linear(2 * channels * pooled * pooled, hidden), nn.ReLU(),
         nn.Linear(hidden, classes))
     # The first convolution's gradient comes back with channels-last strides (25, 1, 5, 1);
