@@ -43,16 +43,17 @@ def lc(features: int, channels: int, classes: int, seed: int = 0) -> nn.Module:
 
 
 class ImageRows(nn.Unflatten):
-    """``nn.Unflatten(1, (1, s, s))`` whose output is laid out channels-last in memory.
+    """An ``nn.Unflatten`` of flat rows to images ``(C, H, W)``, laid out channels-last.
 
     The values and the parameters are the same as with a plain ``nn.Unflatten``; only the
     activations' memory order changes. With a channels-last input, PyTorch's convolutions
     keep their outputs channels-last, and ``max_pool2d`` on CPU is then a vectorised kernel:
     8x faster than on NCHW activations, where it took a fifth of the CNN's step (measured in
-    BENCHMARKS.md, "The CNN's activations channels-last"). A one-channel tensor counts as
-    contiguous either way, so ``contiguous(memory_format=...)`` would leave it as it is; the
-    copy into an explicitly channels-last tensor is what makes the convolution pick the
-    layout. The parameters stay contiguous, as the flat buffers and checkpoints expect.
+    BENCHMARKS.md, "the CNN's activations channels-last, pool before ReLU"). A one-channel
+    tensor counts as contiguous either way, so ``contiguous(memory_format=...)`` would leave
+    it as it is; the copy into an explicitly channels-last tensor is what makes the
+    convolution pick the layout. The parameters stay contiguous, as the flat buffers and
+    checkpoints expect.
     """
 
     def forward(self, x):
