@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distbelief.config_checks import check_fields
-from distbelief.devices import DEVICES, check_cuda_here
+from distbelief.devices import DEVICES, PRECISIONS, check_cuda_here
 from distbelief.errors import UserError
 from distbelief.formats import is_ctr_file
 
@@ -116,6 +116,10 @@ class TrainConfig:
     device: str = option("cpu", section="parallelism", choices=DEVICES,
                          help="where replicas compute: cpu, cuda, or auto (cuda where the "
                               "replica's process sees a GPU; cpu when --gpus-per-replica is 0)")
+    precision: str = option("float32", section="parallelism", choices=PRECISIONS,
+                            help="what replicas compute forward in: float32, or bfloat16 "
+                                 "(torch.autocast: products and convolutions in bfloat16; "
+                                 "parameters, gradients and shards stay float32; Downpour)")
     gpus_per_replica: float = option(0.0, section="parallelism",
                                      help="GPUs Ray reserves for each replica (fractions share "
                                           "one GPU; > 0 with --device cuda); shards stay on CPU")

@@ -59,6 +59,7 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
                         "folder holding a meta.json (python -m distbelief.ondisk writes one)")
     cfg._fill_automatic()  # the checks below see the values a run will use
     _choice("grad_dtype", cfg.grad_dtype, choices["grad_dtype"])
+    _choice("precision", cfg.precision, choices["precision"])
     _choice("data_split", cfg.data_split, choices["data_split"])
     from distbelief.usermodel import check_model_spec
 
@@ -76,6 +77,11 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
             _at_least(name, getattr(cfg, name), 1)
     _at_least("hidden", cfg.hidden, 0)
     _at_least("shard_backups", cfg.shard_backups, 0)
+    if cfg.precision != "float32" and (cfg.algorithm != "downpour" or cfg.click_data
+                                       or cfg.partitions > 1):
+        raise UserError(f"{flag('precision')} {cfg.precision} runs in dense Downpour replicas "
+                        "only: drop it for this run (--algorithm sandblaster, click data, "
+                        "--partitions)")
     if cfg.shard_backups and (cfg.algorithm != "downpour" or cfg.click_data):
         raise UserError(f"{flag('shard_backups')} keeps standbys of dense Downpour shards "
                         "only: drop it for this run (--algorithm sandblaster, click data)")

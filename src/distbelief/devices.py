@@ -10,6 +10,7 @@ shard client reads and writes, as before.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from distbelief.errors import UserError
 
 DEVICES = ("cpu", "cuda", "auto")
+PRECISIONS = ("float32", "bfloat16")  # what a replica's forward computes in (--precision)
 CPU = torch.device("cpu")
 
 
@@ -33,6 +35,19 @@ def replica_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
     return torch.device(device)
+
+
+def autocast(device: torch.device, precision: str):
+    """A context for a replica's forward and loss: none for ``float32``; for ``bfloat16``
+    ``torch.autocast`` on ``device``'s type, so matrix products and convolutions run in
+    bfloat16 while parameters, gradients and what the shards see stay float32 (losses and
+    softmax autocast to float32). Backward runs outside it, as torch recommends."""
+    if precision == "float32":
+        return contextlib.nullcontext()
+    if precision == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    raise UserError(f"--precision {precision!r} is unknown: choose one of "
+                    f"{', '.join(PRECISIONS)}")
 
 
 def gpu_options(gpus_per_replica: float) -> dict:

@@ -228,8 +228,8 @@ class Trainer:
         if self.cfg.partitions > 1:
             return partial(PartitionedHost, model, self.plan, shards.handles(),
                            self._partition_plan)
-        return partial(FlatHost, model, self.plan, shards.handles(),
-                       grad_dtype=self.cfg.grad_dtype, device=self.cfg.device,
+        return partial(FlatHost, model, self.plan, shards.handles(), device=self.cfg.device,
+                       grad_dtype=self.cfg.grad_dtype, precision=self.cfg.precision,
                        names=[self.actor_name("shard", i) for i in range(self.plan.shards)],
                        incarnation=incarnation, resend=self.cfg.shard_backups > 0,
                        directory=self.actor_name("directory", 0) if self.cfg.shard_backups

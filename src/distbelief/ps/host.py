@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from distbelief.devices import DeviceBuffers, replica_device
+from distbelief.devices import DeviceBuffers, autocast, replica_device
 from distbelief.flat import FlatModel
 from distbelief.host import LossOf
 from distbelief.ps.buffers import BufferPlan, BufferReporter
@@ -30,7 +30,8 @@ class FlatHost:
     ``grad_dtype`` is the pushed gradients' wire format; with ``fuse`` a push whose next
     step fetches (of a gradient of any size) also brings the parameters back in the same
     call per shard. ``device`` (cpu, cuda, auto: see
-    :func:`~distbelief.devices.replica_device`) is where the model and gradients live; off
+    :func:`~distbelief.devices.replica_device`) is where the model and gradients live, and
+    ``precision`` what its forward computes in (:func:`~distbelief.devices.autocast`); off
     CPU (or with ``staged``, which tests use on CPU), parameters and gradients pass through
     reusable host buffers (:class:`DeviceBuffers`). A model with buffers (BatchNorm
     statistics) reports them to shard 0 with each push and loads shard 0's with each fetch
@@ -48,8 +49,9 @@ class FlatHost:
                  names: Sequence[str] | None = None, grad_dtype: str = "float32",
                  fuse: bool = True, device: str = "cpu", staged: bool | None = None,
                  incarnation: int = 0, resend: bool = False,
-                 directory: str | None = None, sync: int | None = None) -> None:
-        self.device = replica_device(device)
+                 directory: str | None = None, sync: int | None = None,
+                 precision: str = "float32") -> None:
+        self.device, self.precision = replica_device(device), precision
         self.flat = FlatModel(model, plan, self.device)
         if staged is None:
             staged = self.device.type != "cpu"
@@ -102,7 +104,8 @@ class FlatHost:
 
     def forward_backward(self, x: torch.Tensor, loss_of: LossOf) -> float:
         self.flat.zero_grad()
-        loss = loss_of(self.flat.model(x))
+        with autocast(self.device, self.precision):
+            loss = loss_of(self.flat.model(x))
         loss.backward()
         self.flat.sync_grads()
         if self.accrued is not None:
