@@ -34,6 +34,9 @@ Every method trains the same seeded initial model on the same number of samples:
   of a replica's push+fetch at this model's size and ``--shards``, to null shards and to real
   ones (:mod:`_callfloor`), and the bound it sets on Downpour / cores' limit with
   ``single-1t``'s time per mini-batch of the same run.
+- ``single-1t-bf16``, ``single-all-bf16`` and ``downpour-bf16`` (name them in ``--methods``):
+  the same with the forward and loss under ``torch.autocast`` in bfloat16 (Downpour's
+  ``--precision bfloat16``), parameters, gradients and optimizers in float32.
 - on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
   GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
   CPU).
@@ -76,6 +79,7 @@ from torch import nn
 from distbelief import data, models
 from distbelief.config import TrainConfig
 from distbelief.data import ReplicaSampler
+from distbelief.devices import autocast
 from distbelief.evaluation import (
     EvalBudget,
     activation_bytes_per_row,
@@ -147,11 +151,11 @@ class BaselineEvals:
 
 
 def single(args, work: str, threads: int, device: str = "cpu", rank: int = 0,
-           workers: int = 1, barrier=None) -> dict:
+           workers: int = 1, barrier=None, precision: str = "float32") -> dict:
     """A plain torch loop with ``threads`` threads over all the workload's mini-batches, its
     model and data on ``device``; as worker ``rank`` of ``workers`` (``independent``), over
     its own 1/workers of the rows and of the mini-batches, its clock started when every
-    worker is ready (``barrier``)."""
+    worker is ready (``barrier``); its forward and loss in ``precision`` (as Downpour's)."""
     build, lr, batch, batches = WORKLOADS[work]
     torch.set_num_threads(threads)
     ds = data.load("mnist")
@@ -170,7 +174,9 @@ def single(args, work: str, threads: int, device: str = "cpu", rank: int = 0,
     for step in range(steps):
         rows = torch.from_numpy(sampler.batch(step)).to(device)
         opt.zero_grad()
-        loss_fn(model(x[rows]), y[rows]).backward()
+        with autocast(torch.device(device), precision):
+            loss = loss_fn(model(x[rows]), y[rows])
+        loss.backward()
         opt.step()
         if evals.due():
             t = time.perf_counter() - start
@@ -253,7 +259,7 @@ def ddp(args, work: str) -> dict:
 
 
 def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
-             env: dict[str, str] | None = None) -> dict:
+             env: dict[str, str] | None = None, precision: str = "float32") -> dict:
     """DownpourSGD over R replicas and S shards; its own evaluation unless ``eval_every_s``;
     with ``gpu``, the replicas share the machine's GPU; ``env``: variables set for this run
     only (they reach the actors through the Ray instance that ``fit`` starts), e.g.
@@ -266,7 +272,7 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
     steps = getattr(args, batches) // args.replicas
     extra = {"eval_budget": args.eval_budget} if eval_every_s is None else \
         {"eval_every_s": eval_every_s}
-    extra.update(n_fetch=args.n_fetch, n_push=args.n_push)
+    extra.update(n_fetch=args.n_fetch, n_push=args.n_push, precision=precision)
     if gpu:
         extra.update(device="cuda", gpus_per_replica=1 / args.replicas)
     with tempfile.TemporaryDirectory() as tmp:
@@ -361,6 +367,9 @@ def main() -> None:
         "downpour-freeing": lambda w: downpour(args, w, None, env={OFF_ENV: "0"}),
         "downpour-plasma": lambda w: downpour(args, w, None, env={INLINE_ENV: "102400"}),
         "downpour-taskevents": lambda w: downpour(args, w, None, env={TASK_EVENTS_ENV: "1"}),
+        "single-1t-bf16": lambda w: single(args, w, 1, precision="bfloat16"),
+        "single-all-bf16": lambda w: single(args, w, args.replicas, precision="bfloat16"),
+        "downpour-bf16": lambda w: downpour(args, w, None, precision="bfloat16"),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
@@ -451,6 +460,15 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     noeval = med("downpour-noeval")
     if dp and noeval:
         print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")
+    one16, all16, dp16 = (med(m) for m in ("single-1t-bf16", "single-all-bf16",
+                                            "downpour-bf16"))
+    if dp16 and one16:
+        print(f"   bfloat16: downpour-bf16 / its cores' limit ({args.replicas} x "
+              f"single-1t-bf16) = {dp16 / (args.replicas * one16):.2f}")
+    for name, fp32, bf16 in (("single-1t", one, one16), ("single-all", allc, all16),
+                             ("downpour", dp, dp16)):
+        if fp32 and bf16:
+            print(f"   bfloat16 / float32: {name}-bf16 / {name} samples/s = {bf16 / fp32:.2f}")
     gpu_one, gpu_dp = med("single-gpu"), med("downpour-gpu")
     if gpu_one and gpu_dp:
         print(f"   downpour-gpu / single-gpu samples/s = {gpu_dp / gpu_one:.2f}")
@@ -464,7 +482,7 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
         print(f"   samples to {args.target:.0%} (at the evaluation that saw it): "
               f"downpour / single-all = {sp / sa:.2f}")
     for method in ("downpour", "downpour-noeval", "downpour-freeing", "downpour-plasma",
-                   "downpour-taskevents", "downpour-gpu"):
+                   "downpour-taskevents", "downpour-gpu", "downpour-bf16"):
         for i, r in enumerate(res.get(method, [])):
             if r.get("breakdown"):
                 total = sum(r["breakdown"].values())
