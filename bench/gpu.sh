@@ -57,11 +57,12 @@ echo "wall_ms=$(( ($(date +%s%N) - began) / 1000000 ))"
 
 # bench/workloads.py on this machine's cores (R replicas) and on its GPU; each workload's
 # workloads.json under $OUT/<workload>/; the CNN also with R loops that never communicate
-# (independent: what these cores give data parallelism at all)
+# (independent: what these cores give data parallelism at all) and in bfloat16 on the GPU
 METHODS="single-1t single-all ddp downpour downpour-noeval single-gpu downpour-gpu"
 echo "== bench/workloads.py cnn, replicas=$R"
-timeout ${CNN_TIMEOUT:-160} $PY bench/workloads.py --workloads cnn --replicas "$R" \
-    --cnn-batches $(( 40 * R )) --methods independent $METHODS --out "$OUT/cnn"
+timeout ${CNN_TIMEOUT:-200} $PY bench/workloads.py --workloads cnn --replicas "$R" \
+    --cnn-batches $(( 40 * R )) --methods independent $METHODS single-gpu-bf16 \
+    downpour-gpu-bf16 --out "$OUT/cnn"
 echo "== bench/workloads.py mlp17m, replicas=$R"
 timeout ${MLP_TIMEOUT:-160} $PY bench/workloads.py --workloads mlp17m --replicas "$R" \
     --mlp-batches $(( 16 * R )) --methods $METHODS --out "$OUT/mlp17m"

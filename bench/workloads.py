@@ -39,7 +39,7 @@ Every method trains the same seeded initial model on the same number of samples:
   ``--precision bfloat16``), parameters, gradients and optimizers in float32.
 - on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
   GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
-  CPU).
+  CPU); ``single-gpu-bf16`` and ``downpour-gpu-bf16`` the same in bfloat16.
 
 samples/s counts training samples over the training wall time (from the run's ``placement``
 event for Downpour, after the barrier for DDP, after model construction for one process).
@@ -371,6 +371,8 @@ def main() -> None:
         "single-all-bf16": lambda w: single(args, w, args.replicas, precision="bfloat16"),
         "downpour-bf16": lambda w: downpour(args, w, None, precision="bfloat16"),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
+        "single-gpu-bf16": lambda w: single(args, w, 1, "cuda", precision="bfloat16"),
+        "downpour-gpu-bf16": lambda w: downpour(args, w, None, gpu=True, precision="bfloat16"),
         "downpour-gpu": lambda w: downpour(args, w, None, gpu=True),
     }
     unknown = [m for m in args.methods if m not in runs and m != "floor"]
@@ -466,7 +468,9 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
         print(f"   bfloat16: downpour-bf16 / its cores' limit ({args.replicas} x "
               f"single-1t-bf16) = {dp16 / (args.replicas * one16):.2f}")
     for name, fp32, bf16 in (("single-1t", one, one16), ("single-all", allc, all16),
-                             ("downpour", dp, dp16)):
+                             ("downpour", dp, dp16),
+                             ("single-gpu", med("single-gpu"), med("single-gpu-bf16")),
+                             ("downpour-gpu", med("downpour-gpu"), med("downpour-gpu-bf16"))):
         if fp32 and bf16:
             print(f"   bfloat16 / float32: {name}-bf16 / {name} samples/s = {bf16 / fp32:.2f}")
     gpu_one, gpu_dp = med("single-gpu"), med("downpour-gpu")
@@ -482,7 +486,8 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
         print(f"   samples to {args.target:.0%} (at the evaluation that saw it): "
               f"downpour / single-all = {sp / sa:.2f}")
     for method in ("downpour", "downpour-noeval", "downpour-freeing", "downpour-plasma",
-                   "downpour-taskevents", "downpour-gpu", "downpour-bf16"):
+                   "downpour-taskevents", "downpour-gpu", "downpour-bf16",
+                   "downpour-gpu-bf16"):
         for i, r in enumerate(res.get(method, [])):
             if r.get("breakdown"):
                 total = sum(r["breakdown"].values())
