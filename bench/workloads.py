@@ -467,13 +467,13 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     if dp16 and one16:
         print(f"   bfloat16: downpour-bf16 / its cores' limit ({args.replicas} x "
               f"single-1t-bf16) = {dp16 / (args.replicas * one16):.2f}")
+    gpu_one, gpu_dp = med("single-gpu"), med("downpour-gpu")
     for name, fp32, bf16 in (("single-1t", one, one16), ("single-all", allc, all16),
                              ("downpour", dp, dp16),
-                             ("single-gpu", med("single-gpu"), med("single-gpu-bf16")),
-                             ("downpour-gpu", med("downpour-gpu"), med("downpour-gpu-bf16"))):
+                             ("single-gpu", gpu_one, med("single-gpu-bf16")),
+                             ("downpour-gpu", gpu_dp, med("downpour-gpu-bf16"))):
         if fp32 and bf16:
             print(f"   bfloat16 / float32: {name}-bf16 / {name} samples/s = {bf16 / fp32:.2f}")
-    gpu_one, gpu_dp = med("single-gpu"), med("downpour-gpu")
     if gpu_one and gpu_dp:
         print(f"   downpour-gpu / single-gpu samples/s = {gpu_dp / gpu_one:.2f}")
     if gpu_one and allc:
@@ -485,10 +485,8 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     if sp and sa:
         print(f"   samples to {args.target:.0%} (at the evaluation that saw it): "
               f"downpour / single-all = {sp / sa:.2f}")
-    for method in ("downpour", "downpour-noeval", "downpour-freeing", "downpour-plasma",
-                   "downpour-taskevents", "downpour-gpu", "downpour-bf16",
-                   "downpour-gpu-bf16"):
-        for i, r in enumerate(res.get(method, [])):
+    for method, runs in res.items():  # the Downpour methods: their runs have a breakdown
+        for i, r in enumerate(runs):
             if r.get("breakdown"):
                 total = sum(r["breakdown"].values())
                 shares = " ".join(f"{name[:-2]} {v / total:.0%}"
