@@ -42,12 +42,12 @@ def autocast(device: torch.device, precision: str):
     ``torch.autocast`` on ``device``'s type, so matrix products and convolutions run in
     bfloat16 while parameters, gradients and what the shards see stay float32 (losses and
     softmax autocast to float32). Backward runs outside it, as torch recommends."""
-    from distbelief.config_checks import one_of  # it imports this module
-
-    one_of("--precision", precision, PRECISIONS)
     if precision == "float32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    raise UserError(f"--precision {precision!r} is unknown: choose one of "
+                    f"{', '.join(PRECISIONS)}")
 
 
 def gpu_options(gpus_per_replica: float) -> dict:
