@@ -3,6 +3,7 @@
 
 import ipaddress
 import os
+import time
 
 import numpy as np
 import psutil
@@ -50,7 +51,13 @@ def test_embedded_ray_returns_results_up_to_a_mebibyte_inline():
                                                      2 * cluster.INLINE_BYTES))
     assert ray.get(small).nbytes > 100 * 1024  # above Ray's own default limit
     ray.get(large)
+    # The owner may learn a stored object's location after the reply (one CI run of many
+    # saw it empty right after the get), so ask until the large one's arrives
+    deadline = time.monotonic() + 10
     where = ray.experimental.get_object_locations([small, large])
+    while not where[large]["node_ids"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        where = ray.experimental.get_object_locations([small, large])
     assert where[small]["node_ids"] == []  # in the reply: no object-store copy anywhere
     assert len(where[large]["node_ids"]) == 1  # through the node's object store
 
