@@ -14,12 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from distbelief.devices import check_gpus
-from distbelief.errors import UserError
-
-
-def one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise UserError(f"{flag} {value!r} is unknown: choose one of {', '.join(allowed)}")
+from distbelief.errors import UserError, one_of
 
 
 def at_least(flag: str, value: int, low: int) -> None:

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distbelief.config import SPLITS, flag
-from distbelief.config_checks import one_of
-from distbelief.errors import UserError
+from distbelief.errors import UserError, one_of
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0  # the train/test split never depends on --seed

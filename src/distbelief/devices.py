@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from distbelief.errors import UserError
+from distbelief.errors import UserError, one_of
 
 DEVICES = ("cpu", "cuda", "auto")
 PRECISIONS = ("float32", "bfloat16")  # what a replica's forward computes in (--precision)
@@ -42,12 +42,10 @@ def autocast(device: torch.device, precision: str):
     ``torch.autocast`` on ``device``'s type, so matrix products and convolutions run in
     bfloat16 while parameters, gradients and what the shards see stay float32 (losses and
     softmax autocast to float32). Backward runs outside it, as torch recommends."""
-    if precision == "float32":
-        return contextlib.nullcontext()
+    one_of("--precision", precision, PRECISIONS)
     if precision == "bfloat16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
-    raise UserError(f"--precision {precision!r} is unknown: choose one of "
-                    f"{', '.join(PRECISIONS)}")
+    return contextlib.nullcontext()
 
 
 def gpu_options(gpus_per_replica: float) -> dict:
@@ -97,8 +95,7 @@ class DeviceBuffers:
 
 def check_gpus(device: str, gpus: float, partitions: int, click_data: bool) -> None:
     """``--device`` and ``--gpus-per-replica`` agree; GPU replicas only where they are built."""
-    if device not in DEVICES:
-        raise UserError(f"--device {device!r} is unknown: choose one of {', '.join(DEVICES)}")
+    one_of("--device", device, DEVICES)
     if isinstance(gpus, bool) or not (isinstance(gpus, (int, float)) and math.isfinite(gpus)
                                       and gpus >= 0):
         raise UserError(f"--gpus-per-replica must be a number >= 0 (got {gpus!r})")

@@ -7,3 +7,9 @@ class UserError(Exception):
     The CLI prints ``distbelief: error: <message>`` and exits with code 2; the Python API
     raises it before any actor is started.
     """
+
+
+def one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Raise a one-line :class:`UserError` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise UserError(f"{flag} {value!r} is unknown: choose one of {', '.join(allowed)}")

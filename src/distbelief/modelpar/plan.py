@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from distbelief.errors import UserError
+from distbelief.errors import UserError, one_of
 from distbelief.modelpar.layers import LocallyConnectedNd
 from distbelief.modelpar.layerwise import LayerwisePlan, plan_layerwise
 from distbelief.modelpar.spatial import SpatialPlan, plan_spatial
@@ -31,8 +31,7 @@ def plan_partitions(model: nn.Module, partitions: int, how: str = "auto",
     ``input_shape``) or ``"auto"``: space for a stack of locally connected layers, layers
     otherwise.
     """
-    if how not in ("auto", "space", "layers"):
-        raise UserError(f"--partition-by {how!r} is unknown: choose auto, space or layers")
+    one_of("--partition-by", how, ("auto", "space", "layers"))
     if not isinstance(model, nn.Sequential):
         raise UserError(f"--partitions {partitions} splits an nn.Sequential; the model is a "
                         f"{type(model).__name__}: wrap its layers in nn.Sequential")
