@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from support.faults import NaNEvery
 
 from distbelief import DownpourSGD, data, models
 from distbelief.data import ReplicaSampler
@@ -193,19 +194,6 @@ def test_killed_replica_is_restarted_and_training_completes(digits, tmp_path):
     assert all(steps_of(result, r)[-1]["step"] == 399 for r in (0, 2))
     # the fault costs at most 1 point (a faulted run that ends higher lost nothing)
     assert result.test_accuracy >= unfaulted.test_accuracy - 0.01 - 1e-9
-
-
-class NaNEvery(torch.nn.Module):
-    """Cross-entropy that turns NaN on every k-th call (each replica counts its own)."""
-
-    def __init__(self, k):
-        super().__init__()
-        self.k, self.calls = k, 0
-
-    def forward(self, out, y):
-        self.calls += 1
-        loss = torch.nn.functional.cross_entropy(out, y)
-        return loss * float("nan") if self.calls % self.k == 0 else loss
 
 
 def test_nan_gradients_are_rejected_counted_and_training_goes_on(digits):

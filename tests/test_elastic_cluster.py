@@ -6,8 +6,7 @@ import threading
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
+from support.cluster import two_node_cluster
 
 from distbelief import DownpourSGD, data, models
 
@@ -19,16 +18,8 @@ FAST_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000
 def two_nodes():
     # 2 + 2 CPUs for a shard, its standby and 2 replicas (one CPU each): with the standby
     # spread off its primary's node, each node has room for one replica
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2,
-                                                            "_system_config": FAST_DEATH})
-    second = cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    try:
+    with two_node_cluster(2, 2, _system_config=FAST_DEATH) as (cluster, second):
         yield cluster, second
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.timeout(300)

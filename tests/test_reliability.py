@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 import ray
-import torch
+from support.faults import NaNEvery
 
 from distbelief import DownpourSGD, UserError, data, models
 from distbelief.checkpoint import load_checkpoint, shard_file, write_manifest
@@ -224,19 +224,6 @@ def test_killed_coordinator_resumes_from_last_iteration(tmp_path, capsys):
 
 
 # Soak: many replicas, thousands of pushes, nothing unaccounted, no memory growth.
-
-class NaNEvery(torch.nn.Module):
-    """Cross-entropy that turns NaN on every k-th call (each replica counts its own)."""
-
-    def __init__(self, k):
-        super().__init__()
-        self.k, self.calls = k, 0
-
-    def forward(self, out, y):
-        self.calls += 1
-        loss = torch.nn.functional.cross_entropy(out, y)
-        return loss * float("nan") if self.calls % self.k == 0 else loss
-
 
 def shard_rss(trainer, shards=2) -> list[int]:
     import os

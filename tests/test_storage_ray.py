@@ -8,7 +8,7 @@ import json
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
+from support.cluster import two_node_cluster
 from support.s3 import objects, s3_server
 
 from distbelief import DownpourSGD, data, models, storage
@@ -70,15 +70,8 @@ def test_cli_refuses_an_unwritable_bucket_in_one_line_before_training(s3, tmp_pa
 @pytest.fixture
 def two_nodes(s3):
     """A head with no CPUs (the driver) and a second node where every actor runs."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    second = cluster.add_node(num_cpus=3)
-    cluster.wait_for_nodes()
-    try:
+    with two_node_cluster(0, 3) as (cluster, second):
         yield cluster, second.node_id
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.timeout(300)

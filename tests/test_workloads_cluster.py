@@ -4,23 +4,15 @@ the second node read their own rows from the data folder; the driver ships only 
 import json
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
+from support.cluster import two_node_cluster
 
 from distbelief import DownpourSGD, data, models, ondisk
 
 
 @pytest.fixture
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    second = cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    try:
+    with two_node_cluster(2, 2) as (cluster, second):
         yield cluster, second.node_id
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.timeout(300)
