@@ -152,6 +152,10 @@ class TrainConfig:
     grad_dtype: str = option("float32", section="downpour", choices=GRAD_DTYPES,
                              help="gradients on the wire: float32, or float16/bfloat16 (half "
                                   "the bytes); shards keep float32 either way")
+    clip_grad_norm: float = option(0.0, section="downpour", metavar="MAX",
+                                   help="each replica scales a step's gradient down to L2 norm "
+                                        "MAX before it is pushed or accrued; step events record "
+                                        "the norm before (0: off; dense Downpour)")
     max_rejected: int = option(1000, section="downpour",
                                help="abort once the shards rejected more pushes (NaN/inf, "
                                     "bad shape)")

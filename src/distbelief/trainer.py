@@ -234,7 +234,7 @@ class Trainer:
                        incarnation=incarnation, resend=self.cfg.shard_backups > 0,
                        directory=self.actor_name("directory", 0) if self.cfg.shard_backups
                        else None,
-                       sync=self.cfg.sync_end)
+                       sync=self.cfg.sync_end, clip=self.cfg.clip_grad_norm)
 
     def _evaluator(self, test) -> Evaluator:
         """The driver's copy of the model, scoring ``test`` (None: no test set)."""

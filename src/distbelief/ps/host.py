@@ -7,6 +7,7 @@ through one :class:`PSClient`. It implements :class:`~distbelief.host.ParamHost`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -40,7 +41,10 @@ class FlatHost:
     None for asynchronous runs) a push is waited for and never fused with the fetch, and the
     next fetch first waits until every shard that took the push before that last version
     has moved past it (a shard at the end takes no more updates: nothing to wait for there;
-    ``sync_waits`` counts the wait calls that timed out).
+    ``sync_waits`` counts the wait calls that timed out). With ``clip`` > 0
+    (``--clip-grad-norm``) each step's gradient is scaled down to L2 norm ``clip`` before it
+    is pushed, accrued or applied locally; each step event gets the norm before
+    (``grad_norm``) and the counters how many steps were scaled (``clipped``).
     """
 
     event_fields: dict = {}
@@ -50,7 +54,7 @@ class FlatHost:
                  fuse: bool = True, device: str = "cpu", staged: bool | None = None,
                  incarnation: int = 0, resend: bool = False,
                  directory: str | None = None, sync: int | None = None,
-                 precision: str = "float32") -> None:
+                 precision: str = "float32", clip: float = 0.0) -> None:
         self.device, self.precision = replica_device(device), precision
         self.flat = FlatModel(model, plan, self.device)
         if staged is None:
@@ -64,6 +68,7 @@ class FlatHost:
                                directory=directory)
         self.plan, self.fuse, self.replica = plan, fuse and sync is None, replica
         self.sync, self.sync_waits = sync, 0
+        self.clip, self.clipped, self._norms = clip, 0, []  # norms: this run's steps'
         self._pushed: list[int | None] | None = None  # sync: versions the last push was of
         self.accrued: torch.Tensor | None = None  # created once a step ends without a push
         self._fetched_early = False
@@ -108,9 +113,20 @@ class FlatHost:
             loss = loss_of(self.flat.model(x))
         loss.backward()
         self.flat.sync_grads()
+        if self.clip:
+            self._clip()
         if self.accrued is not None:
             self.accrued += self.flat.grad
         return float(loss.detach())
+
+    def _clip(self) -> None:
+        """Scale the step's gradient down to norm ``clip`` (a non-finite one is left for the
+        shards to reject and count)."""
+        norm = float(torch.linalg.vector_norm(self.flat.grad))
+        self._norms.append(norm)
+        if math.isfinite(norm) and norm > self.clip:
+            self.flat.grad.mul_(self.clip / norm)
+            self.clipped += 1
 
     def end_step(self, push: bool, local_lr: float | None, fetch_next: bool) -> None:
         if push:
@@ -157,6 +173,9 @@ class FlatHost:
         return list(self.client.versions)
 
     def after_run(self, events: list[dict]) -> dict:
+        for event, norm in zip(reversed(events), reversed(self._norms)):
+            event["grad_norm"] = norm
+        self._norms = []
         return self.counters()
 
     def finish(self, push: bool, fetch_next: bool = False) -> dict:
@@ -171,6 +190,7 @@ class FlatHost:
                 "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
                 "retried": c.retried, "incarnation": c.incarnation, "resent": c.resent,
                 **({"sync_waits": self.sync_waits} if self.sync is not None else {}),
+                **({"clipped": self.clipped} if self.clip else {}),
                 **self._device_field()}
 
     def _device_field(self) -> dict:
