@@ -1,6 +1,7 @@
 """Model parallelism: step throughput of one locally connected model on 1 vs K partitions.
 
 Run: .venv/bin/python bench/modelpar.py [--partitions 2] [--steps 8] [--size 32] [--batch-size 128]
+     [--bfloat16]
 
 One model (two 5x5 locally connected layers of 16 channels over a 32x32 image, untied
 weights, and a linear readout: 8.4 M parameters) runs forward + backward + a local SGD
@@ -12,7 +13,10 @@ cores share memory bandwidth):
   exchanges only the halos its windows need, one torch thread each).
 For reference it also times the unpartitioned model in this process with 1 and with 2 torch
 threads. Prints steps/s of each, the speed-up K vs 1 partition, and the bytes per step that
-crossed partition boundaries against a naive exchange of whole activations.
+crossed partition boundaries against a naive exchange of whole activations. With
+``--bfloat16`` the same K partitions also run with ``precision="bfloat16"`` (forward under
+autocast, boundary tensors in bfloat16), in the same rounds, and it prints their steps/s
+and bytes against float32's.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--num-cpus", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bfloat16", action="store_true",
+                        help="also time the K partitions in bfloat16")
     args = parser.parse_args()
 
     model = build(args.size, args.channels, args.kernel)
@@ -99,16 +105,17 @@ def main() -> None:
         plan = plan_spatial(model, args.partitions)
         groups = {1: PartitionGroup(model, plan_spatial(model, 1)),
                   args.partitions: PartitionGroup(model, plan)}
-        rates: dict[int, list[float]] = {k: [] for k in groups}
+        if args.bfloat16:
+            groups["bf16"] = PartitionGroup(model, plan, precision="bfloat16")
+        rates: dict = {k: [] for k in groups}
+        crossed: dict = {}
         try:
             for g in groups.values():
                 timed(g, x, y, 2)  # warm up: actor start, first allocations
-            for _ in range(args.repeats):  # alternate, so drift hits both alike
+            for _ in range(args.repeats):  # alternate, so drift hits all alike
                 for k, g in groups.items():
-                    rate, bytes_per_step = timed(g, x, y, args.steps)
+                    rate, crossed[k] = timed(g, x, y, args.steps)
                     rates[k].append(rate)
-                    if k == args.partitions:
-                        crossed = bytes_per_step
         finally:
             for g in groups.values():
                 g.kill()
@@ -125,8 +132,15 @@ def main() -> None:
           f"{min(ratios):.2f}x - {max(ratios):.2f}x)")
     print(f"speed-up vs in-process 1 thr : {many / single:.2f}x; vs 2 threads "
           f"{many / double:.2f}x")
-    print(f"boundary bytes per step      : {crossed / 1e6:.2f} MB vs naive whole-activation "
-          f"exchange {naive / 1e6:.2f} MB: ratio {crossed / naive:.3f}")
+    k = args.partitions
+    print(f"boundary bytes per step      : {crossed[k] / 1e6:.2f} MB vs naive whole-activation "
+          f"exchange {naive / 1e6:.2f} MB: ratio {crossed[k] / naive:.3f}")
+    if args.bfloat16:
+        half = statistics.median(rates["bf16"])
+        per = [b / a for a, b in zip(rates[k], rates["bf16"])]
+        print(f"{k} partition actors, bfloat16 : {half:6.2f} steps/s, {half / many:.2f}x float32's "
+              f"(per repeat {min(per):.2f}x - {max(per):.2f}x); boundary bytes per step "
+              f"{crossed['bf16'] / 1e6:.2f} MB, {crossed['bf16'] / crossed[k]:.2f} of float32's")
 
 
 if __name__ == "__main__":

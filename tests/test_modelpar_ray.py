@@ -186,6 +186,20 @@ def test_downpour_with_model_parallel_replicas_trains_lc_on_digits(digits):
                for c in result.replica_counters.values())
 
 
+def test_bfloat16_model_parallel_replicas_train_lc_and_send_half_the_boundary_bytes(digits):
+    model = models.lc(digits.features, 8, digits.classes, 0)
+    result = DownpourSGD(model, replicas=2, partitions=2, shards=2, steps=150,
+                         precision="bfloat16").fit(digits.x_train, digits.y_train,
+                                                   digits.x_test, digits.y_test)
+    assert result.test_accuracy >= 0.9  # seeds 0-2: 0.972-0.978, float32 0.969-0.978
+    steps = [e for e in result.events if e["event"] == "step"]
+    plan = plan_partitions(model, 2)
+    assert {e["boundary_bytes"] for e in steps} == {plan.planned_bytes(32, 2)}
+    assert steps[0]["naive_bytes"] == plan.naive_bytes(32, 2)
+    assert all(c["pushes"] == 150 and c["rejected"] == 0
+               for c in result.replica_counters.values())
+
+
 def test_model_parallel_replicas_run_with_early_fetches_between_pushes(digits):
     """n_fetch 5, n_push 2: the push at step 5k + 3 is the last before the fetch at 5k + 5,
     so the replica sends that fetch early (PartitionedHost.prefetch); the run's counts hold."""

@@ -51,15 +51,16 @@ def test_a_flat_hosts_forward_runs_in_its_precision_and_its_gradient_stays_float
     assert cosine > (0.99 if precision == "bfloat16" else 1 - 1e-6)
 
 
-@pytest.mark.parametrize("argv", [["--partitions", "2"], ["--algorithm", "sandblaster"],
+@pytest.mark.parametrize("argv", [["--algorithm", "sandblaster"],
+                                  ["--algorithm", "sandblaster", "--partitions", "2"],
                                   ["--dataset", "ctr"]])
 def test_bfloat16_outside_dense_downpour_replicas_is_one_line_exit_2(argv, tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", "--precision", "bfloat16", "--run-dir", str(run), *argv]
     assert main(args) == 2
     assert capsys.readouterr().err.strip().endswith(
-        "--precision bfloat16 runs in dense Downpour replicas only: drop it for this run "
-        "(--algorithm sandblaster, click data, --partitions)")
+        "--precision bfloat16 runs in dense Downpour replicas (whole or --partitions) only: "
+        "drop it for this run (--algorithm sandblaster, click data)")
     assert not run.exists()
 
 

@@ -76,12 +76,15 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
             and cfg.clip_grad_norm >= 0):
         raise UserError(f"{flag('clip_grad_norm')} must be a finite number >= 0 (0: off; got "
                         f"{cfg.clip_grad_norm!r})")
-    dense_only = {"precision": cfg.precision != "float32", "clip_grad_norm": cfg.clip_grad_norm}
-    for name in (n for n, on in dense_only.items() if on):
-        if cfg.algorithm != "downpour" or cfg.click_data or cfg.partitions > 1:
-            raise UserError(f"{flag(name)} {getattr(cfg, name)} runs in dense Downpour "
-                            "replicas only: drop it for this run (--algorithm sandblaster, "
-                            "click data, --partitions)")
+    if cfg.precision != "float32" and (cfg.algorithm != "downpour" or cfg.click_data):
+        raise UserError(f"{flag('precision')} {cfg.precision} runs in dense Downpour replicas "
+                        "(whole or --partitions) only: drop it for this run (--algorithm "
+                        "sandblaster, click data)")
+    if cfg.clip_grad_norm and (cfg.algorithm != "downpour" or cfg.click_data
+                               or cfg.partitions > 1):
+        raise UserError(f"{flag('clip_grad_norm')} {cfg.clip_grad_norm} runs in dense Downpour "
+                        "replicas only: drop it for this run (--algorithm sandblaster, click "
+                        "data, --partitions)")
     if cfg.shard_backups and (cfg.algorithm != "downpour" or cfg.click_data):
         raise UserError(f"{flag('shard_backups')} keeps standbys of dense Downpour shards "
                         "only: drop it for this run (--algorithm sandblaster, click data)")

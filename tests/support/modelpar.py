@@ -7,6 +7,7 @@ counts the bytes that cross partition boundaries in :class:`Traffic`.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,11 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from distbelief.modelpar.core import PartitionCore
 from distbelief.modelpar.geometry import DRIVER, Message
 from distbelief.modelpar.layerwise import LayerwisePlan
 from distbelief.modelpar.partitions import LayerwisePartition, SpatialPartition
 from distbelief.modelpar.plan import PartitionPlan, gather_slices
 from distbelief.modelpar.schedule import pass_schedule
+from distbelief.modelpar.worker import partition_piece
 
 
 @dataclass
@@ -132,3 +135,47 @@ class Executor:
                 ) -> dict[str, torch.Tensor]:
         return gather_slices(self.plan, [values(part) for part in self.partitions])
 
+
+
+class CoreGroup:
+    """:class:`~distbelief.modelpar.core.PartitionCore` objects driven in one process the way
+    a :class:`~distbelief.modelpar.worker.PartitionGroup` drives its actors: each call fed
+    the driver's messages for it and what its senders' calls returned for it (as values, not
+    object references), in :func:`pass_schedule` order."""
+
+    def __init__(self, model: nn.Module, plan: PartitionPlan, precision: str = "float32"
+                 ) -> None:
+        threads = torch.get_num_threads()  # a core runs torch on one thread, as an actor does
+        self.plan, self.k = plan, plan.num_partitions
+        self.cores = [PartitionCore(plan, k, copy.deepcopy(partition_piece(plan, k, model)),
+                                    precision=precision) for k in range(self.k)]
+        torch.set_num_threads(threads)
+
+    def _pass(self, kind: str, messages: list[Message], rounds: Sequence[int]) -> list[Message]:
+        first: dict[int, list] = defaultdict(list)
+        for m in messages:
+            first[m.dst].append([m])
+        outputs, to_driver = {}, []
+        for r, k, senders in pass_schedule(self.plan, rounds):
+            received = first.pop(k, []) + [outputs[s][k] for s in senders]
+            outputs[r, k] = self.cores[k].round(kind, r, *received)
+            to_driver += outputs[r, k][self.k]
+        return to_driver
+
+    def step(self, x: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor]
+             ) -> tuple[torch.Tensor, float]:
+        """Forward, ``loss_fn(output)``, backward; the output (detached) and the loss."""
+        sent = self._pass("activation", self.plan.input_messages(x), range(self.plan.rounds))
+        out = self.plan.assemble_output(sent).requires_grad_()
+        loss = loss_fn(out)
+        loss.backward()
+        self._pass("gradient", self.plan.output_grad_messages(out.grad),
+                   range(self.plan.rounds - 1, -1, -1))
+        return out.detach(), float(loss.detach())
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return gather_slices(self.plan, [core.state()[1] for core in self.cores])
+
+    def bytes_sent(self) -> int:
+        """Bytes of the tensors that crossed partition boundaries (driver traffic not counted)."""
+        return sum(core.bytes_sent for core in self.cores)

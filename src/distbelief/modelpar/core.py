@@ -10,6 +10,7 @@ server is added by :class:`~distbelief.modelpar.pushfetch.PartitionPushFetch` (D
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -19,12 +20,27 @@ from torch import nn
 
 from distbelief import cluster
 from distbelief.allocator import keep_freed_memory
+from distbelief.devices import CPU, autocast
 from distbelief.modelpar.geometry import DRIVER, Message, ParamSlice
 from distbelief.modelpar.layerwise import LayerwisePlan
 from distbelief.modelpar.partitions import LayerwisePartition, SpatialPartition
 from distbelief.modelpar.plan import PartitionPlan
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
+
+
+def narrowed(m: Message) -> Message:
+    """``m`` with a float32 tensor sent as bfloat16 (half the bytes); others as they are."""
+    if m.tensor.dtype != torch.float32:
+        return m
+    return dataclasses.replace(m, tensor=m.tensor.to(torch.bfloat16))
+
+
+def widened(m: Message) -> Message:
+    """``m`` with a bfloat16 tensor back in float32, to compute on; others as they are."""
+    if m.tensor.dtype != torch.bfloat16:
+        return m
+    return dataclasses.replace(m, tensor=m.tensor.float())
 
 
 def flat_runs(index: np.ndarray) -> list[tuple[int, int]]:
@@ -59,8 +75,9 @@ class PartitionCore:
 
     def __init__(self, plan: PartitionPlan, index: int, piece: nn.Module | dict,
                  shard_plan: ShardPlan | None = None, shards: list | None = None,
-                 replica: int = -1) -> None:
+                 replica: int = -1, precision: str = "float32") -> None:
         torch.set_num_threads(1)
+        self.precision, self.half = precision, precision == "bfloat16"
         keep_freed_memory()
         if isinstance(plan, LayerwisePlan):
             self.part = LayerwisePartition(plan, index, piece)
@@ -85,18 +102,26 @@ class PartitionCore:
         """Run round ``layer`` of the forward (``kind="activation"``) or backward
         (``"gradient"``) pass. ``received`` are lists of messages sent to this partition
         since its last call (some for later rounds, kept until then). Returns K + 1 lists:
-        the messages for each partition, then those for the driver."""
+        the messages for each partition, then those for the driver.
+
+        With ``precision`` bfloat16 the forward rounds run under
+        :func:`~distbelief.devices.autocast`, and tensors cross partition boundaries in
+        bfloat16 (half the bytes); each partition computes on what it receives in float32,
+        and what goes to the driver (the output) is float32."""
         for batch in received:
             for m in batch:
-                self.inbox[m.kind, m.layer].append(m)
+                self.inbox[m.kind, m.layer].append(widened(m) if self.half else m)
         step = self.part.forward if kind == "activation" else self.part.backward
         out: tuple[list, ...] = tuple([] for _ in range(self.k + 1))
-        for m in step(layer, self.inbox.pop((kind, layer), [])):
+        with autocast(CPU, self.precision if kind == "activation" else "float32"):
+            sent = step(layer, self.inbox.pop((kind, layer), []))
+        for m in sent:
             if m.dst == DRIVER:
-                out[self.k].append(m)
+                out[self.k].append(widened(m) if self.half else m)
             elif m.dst == self.index:
                 self.inbox[m.kind, m.layer].append(m)
             else:
+                m = narrowed(m) if self.half else m
                 out[m.dst].append(m)
                 self.bytes_sent += m.nbytes
                 self.messages_sent += 1

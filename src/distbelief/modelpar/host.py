@@ -24,14 +24,18 @@ from distbelief.ps.plan import ShardPlan
 
 
 class PartitionedHost:
-    """``model`` split by ``partition_plan``; each partition talks to ``shards`` itself."""
+    """``model`` split by ``partition_plan``; each partition talks to ``shards`` itself, and
+    computes its forward in ``precision`` (bfloat16: boundary tensors travel in bfloat16)."""
 
     event_fields: dict = {}
 
     def __init__(self, model: nn.Module, plan: ShardPlan, shards: list,
-                 partition_plan: PartitionPlan, replica: int = -1) -> None:
+                 partition_plan: PartitionPlan, replica: int = -1,
+                 precision: str = "float32") -> None:
         self.partition_plan = partition_plan
-        self.group = PartitionGroup(model, partition_plan, plan, shards, replica=replica)
+        self.itemsize = 2 if precision == "bfloat16" else 4  # of a boundary tensor's values
+        self.group = PartitionGroup(model, partition_plan, plan, shards, replica=replica,
+                                    precision=precision)
         self.workers = self.group.workers
         self.fetches = self.pushes = 0
         self._versions = [0] * plan.shards
@@ -78,7 +82,7 @@ class PartitionedHost:
         counters = self.counters()  # also waits for the last step's pushes to be sent
         per_step = (counters["boundary_bytes"] - self.bytes_sent) / max(1, len(events))
         self.bytes_sent = counters["boundary_bytes"]
-        naive = self.partition_plan.naive_bytes(self.batch_rows, 4)
+        naive = self.partition_plan.naive_bytes(self.batch_rows, self.itemsize)
         for e in events:
             e["boundary_bytes"], e["naive_bytes"] = per_step, naive
         return counters

@@ -55,15 +55,17 @@ class PartitionGroup:
     """K partition actors running one model together, driven from the caller's process.
 
     ``shard_plan`` and ``shards`` (optional) connect each partition to the parameter server;
-    ``options`` are Ray actor options for every worker (e.g. ``num_cpus``).
+    ``options`` are Ray actor options for every worker (e.g. ``num_cpus``); ``precision``
+    what the partitions' forward computes in and boundary tensors travel in (see
+    :meth:`~distbelief.modelpar.core.PartitionCore.round`).
     """
 
     def __init__(self, model: nn.Module, plan: PartitionPlan, shard_plan: ShardPlan | None = None,
                  shards: list | None = None, replica: int = -1,
-                 options: dict | None = None) -> None:
+                 options: dict | None = None, precision: str = "float32") -> None:
         self.plan, self.k = plan, plan.num_partitions
         self.workers = [PartitionWorker.options(**actor_options() | (options or {})).remote(
-            plan, k, partition_piece(plan, k, model), shard_plan, shards, replica)
+            plan, k, partition_piece(plan, k, model), shard_plan, shards, replica, precision)
             for k in range(self.k)]
 
     def _pass(self, kind: str, messages: list[Message], rounds: Sequence[int]) -> list:
