@@ -137,8 +137,9 @@ def train(args: argparse.Namespace) -> int:
     result = trainer.fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test, progress=args.progress)
     print(f"run folder: {result.run_dir} (metrics.jsonl, params.safetensors, plot.png)",
           file=sys.stderr)
+    clipped = [c["clipped"] for c in result.replica_counters.values() if "clipped" in c]
     print(f"final test_accuracy={result.test_accuracy:.4f} updates={result.updates} "
-          f"wall_s={result.wall_s:.1f}")
+          f"wall_s={result.wall_s:.1f}" + (f" clipped_steps={sum(clipped)}" if clipped else ""))
     return 0
 
 
