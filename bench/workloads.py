@@ -36,7 +36,9 @@ Every method trains the same seeded initial model on the same number of samples:
   ``single-1t``'s time per mini-batch of the same run.
 - ``single-1t-bf16``, ``single-all-bf16`` and ``downpour-bf16`` (name them in ``--methods``):
   the same with the forward and loss under ``torch.autocast`` in bfloat16 (Downpour's
-  ``--precision bfloat16``), parameters, gradients and optimizers in float32.
+  ``--precision bfloat16``), parameters, gradients and optimizers in float32;
+  ``downpour-wire16``: Downpour with its pushed gradients in bfloat16 (``--grad-dtype
+  bfloat16``: half the push bytes), computing in float32.
 - on a machine with CUDA (name them in ``--methods``): ``single-gpu``, the torch loop on the
   GPU, and ``downpour-gpu``, R replicas sharing the GPU (``gpus_per_replica`` 1/R, shards on
   CPU); ``single-gpu-bf16`` and ``downpour-gpu-bf16`` the same in bfloat16.
@@ -269,7 +271,8 @@ def ddp(args, work: str) -> dict:
 
 
 def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
-             env: dict[str, str] | None = None, precision: str = "float32") -> dict:
+             env: dict[str, str] | None = None, precision: str = "float32",
+             grad_dtype: str = "float32") -> dict:
     """DownpourSGD over R replicas and S shards; its own evaluation unless ``eval_every_s``;
     with ``gpu``, the replicas share the machine's GPU; ``env``: variables set for this run
     only (they reach the actors through the Ray instance that ``fit`` starts), e.g.
@@ -282,7 +285,8 @@ def downpour(args, work: str, eval_every_s: float | None, gpu: bool = False,
     steps = getattr(args, batches) // args.replicas
     extra = {"eval_budget": args.eval_budget} if eval_every_s is None else \
         {"eval_every_s": eval_every_s}
-    extra.update(n_fetch=args.n_fetch, n_push=args.n_push, precision=precision)
+    extra.update(n_fetch=args.n_fetch, n_push=args.n_push, precision=precision,
+                 grad_dtype=grad_dtype)
     if gpu:
         extra.update(device="cuda", gpus_per_replica=1 / args.replicas)
     with tempfile.TemporaryDirectory() as tmp:
@@ -380,6 +384,7 @@ def main() -> None:
         "single-1t-bf16": lambda w: single(args, w, 1, precision="bfloat16"),
         "single-all-bf16": lambda w: single(args, w, args.replicas, precision="bfloat16"),
         "downpour-bf16": lambda w: downpour(args, w, None, precision="bfloat16"),
+        "downpour-wire16": lambda w: downpour(args, w, None, grad_dtype="bfloat16"),
         "single-gpu": lambda w: single(args, w, 1, "cuda"),
         "single-gpu-bf16": lambda w: single(args, w, 1, "cuda", precision="bfloat16"),
         "downpour-gpu-bf16": lambda w: downpour(args, w, None, gpu=True, precision="bfloat16"),
@@ -469,6 +474,10 @@ def summarize(args, work: str, res: dict[str, list[dict]]) -> None:
     if dp and events:
         print(f"   Ray's task events off: downpour / downpour-taskevents samples/s = "
               f"{dp / events:.2f}")
+    wire16 = med("downpour-wire16")
+    if dp and wire16:
+        print(f"   gradients sent in bfloat16: downpour-wire16 / downpour samples/s = "
+              f"{wire16 / dp:.2f}")
     noeval = med("downpour-noeval")
     if dp and noeval:
         print(f"   evaluation cost: downpour / downpour-noeval samples/s = {dp / noeval:.2f}")
