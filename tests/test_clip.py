@@ -91,9 +91,11 @@ def test_a_non_finite_gradient_is_not_scaled_and_is_left_to_the_shards():
     (["--clip-grad-norm", "-1"], "--clip-grad-norm must be a finite number >= 0 (0: off; got -1"),
     (["--clip-grad-norm", "inf"], "--clip-grad-norm must be a finite number >= 0"),
     (["--clip-grad-norm", "1", "--algorithm", "sandblaster"],
-     "--clip-grad-norm 1.0 runs in dense Downpour replicas only: drop it for this run"),
-    (["--clip-grad-norm", "1", "--partitions", "2"], "runs in dense Downpour replicas only"),
-    (["--clip-grad-norm", "1", "--dataset", "ctr"], "runs in dense Downpour replicas only"),
+     "--clip-grad-norm 1.0 runs in dense Downpour replicas (whole or --partitions) only: drop "
+     "it for this run (--algorithm sandblaster, click data)"),
+    (["--clip-grad-norm", "1", "--algorithm", "sandblaster", "--partitions", "2"],
+     "runs in dense Downpour replicas (whole or --partitions) only"),
+    (["--clip-grad-norm", "1", "--dataset", "ctr"], "runs in dense Downpour replicas"),
 ])
 def test_a_bad_or_unsupported_clip_is_one_line_exit_2(argv, message, tmp_path, capsys):
     run = tmp_path / "run"

@@ -85,6 +85,29 @@ def test_partition_actors_give_the_whole_models_loss_and_gradients(name, build, 
         torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=["spatial-2d", "layerwise-mlp"])
+def test_the_groups_gradient_norm_is_the_whole_models_and_end_step_scales_by_it(case):
+    """--clip-grad-norm across partitions: the norm summed over the partitions' disjoint
+    slices is the whole model's, and end_step's scale multiplies the local update."""
+    _, build, planner = case
+    model, x = build()
+    reference = copy.deepcopy(model)
+    loss_of(reference(x)).backward()
+    whole = torch.sqrt(sum((p.grad ** 2).sum() for p in reference.parameters()))
+    group = PartitionGroup(model, planner(model, x, 2))
+    try:
+        group.step(x, loss_of)
+        norm = group.grad_norm()
+        before, grads = group.gather()
+        group.end_step(False, 0.1, 0.25)  # local SGD at lr 0.1 on a quarter of the gradient
+        after, _ = group.gather()
+    finally:
+        group.kill()
+    assert norm == pytest.approx(float(whole), rel=1e-9)
+    for n in before:
+        torch.testing.assert_close(after[n], before[n] - 0.1 * 0.25 * grads[n])
+
+
 def test_flat_runs_and_owned_ranges_cover_each_slice_in_order():
     assert flat_runs(np.array([3, 4, 5, 9, 10, 12])) == [(3, 6), (9, 11), (12, 13)]
     assert flat_runs(np.zeros(0, np.int64)) == []
@@ -198,6 +221,16 @@ def test_bfloat16_model_parallel_replicas_train_lc_and_send_half_the_boundary_by
     assert steps[0]["naive_bytes"] == plan.naive_bytes(32, 2)
     assert all(c["pushes"] == 150 and c["rejected"] == 0
                for c in result.replica_counters.values())
+
+
+def test_clipped_model_parallel_replicas_scale_every_step_and_record_the_norms(digits):
+    result = DownpourSGD(models.lc(digits.features, 8, digits.classes, 0), replicas=2,
+                         partitions=2, shards=2, steps=40, clip_grad_norm=1e-3).fit(
+        digits.x_train, digits.y_train, digits.x_test, digits.y_test)
+    steps = [e for e in result.events if e["event"] == "step"]
+    assert len(steps) == 80 and all(e["grad_norm"] > 1e-3 for e in steps)
+    assert [c["clipped"] for c in result.replica_counters.values()] == [40, 40]
+    assert all(c["rejected"] == 0 for c in result.replica_counters.values())
 
 
 def test_model_parallel_replicas_run_with_early_fetches_between_pushes(digits):

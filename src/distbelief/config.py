@@ -155,7 +155,7 @@ class TrainConfig:
     clip_grad_norm: float = option(0.0, section="downpour", metavar="MAX",
                                    help="each replica scales a step's gradient down to L2 norm "
                                         "MAX before it is pushed or accrued; step events record "
-                                        "the norm before (0: off; dense Downpour)")
+                                        "the norm before (0: off; Downpour)")
     max_rejected: int = option(1000, section="downpour",
                                help="abort once the shards rejected more pushes (NaN/inf, "
                                     "bad shape)")

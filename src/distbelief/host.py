@@ -14,6 +14,7 @@ whatever the host starts (partition actors) is the replica's and dies with it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -89,3 +90,10 @@ class ParamHost(Protocol):
 
 
 HostFactory = Callable[..., ParamHost]  # called as factory(replica=index) in the replica
+
+
+def clip_scale(norm: float, clip: float) -> float:
+    """What ``--clip-grad-norm clip`` multiplies a step's gradient of L2 norm ``norm`` by:
+    ``clip / norm`` above the bar, else 1 (also for a non-finite norm, left for the shards
+    to reject and count)."""
+    return clip / norm if math.isfinite(norm) and norm > clip else 1.0

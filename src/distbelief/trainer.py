@@ -227,7 +227,7 @@ class Trainer:
         so a restarted replica sees revived shards."""
         if self.cfg.partitions > 1:
             return partial(PartitionedHost, model, self.plan, shards.handles(),
-                           self._partition_plan, precision=self.cfg.precision)
+                           self._partition_plan, self.cfg.precision, self.cfg.clip_grad_norm)
         return partial(FlatHost, model, self.plan, shards.handles(), device=self.cfg.device,
                        grad_dtype=self.cfg.grad_dtype, precision=self.cfg.precision,
                        names=[self.actor_name("shard", i) for i in range(self.plan.shards)],

@@ -31,10 +31,19 @@ class PartitionPushFetch(PartitionCore):
         if self.client is not None:
             self._prefetched = self.client.fetch_ranges_start(self.ranges)
 
-    def end_step(self, push: bool, local_lr: float | None) -> None:
-        """Accrue this step's gradients; push them if ``push``; apply them locally with plain
-        SGD at ``local_lr`` if given; clear them for the next step."""
+    def grad_sqnorm(self) -> float:
+        """The squared L2 norm of this step's gradients of the owned slices (the partitions'
+        slices are disjoint, so the model's squared norm is the sum over partitions)."""
+        return float(sum(torch.sum(g.double() ** 2) for g in self.part.gradients().values()))
+
+    def end_step(self, push: bool, local_lr: float | None, scale: float = 1.0) -> None:
+        """Accrue this step's gradients (times ``scale``: ``--clip-grad-norm``); push them if
+        ``push``; apply them locally with plain SGD at ``local_lr`` if given; clear them for
+        the next step."""
         grads = self.part.gradients()
+        if scale != 1.0:
+            for g in grads.values():
+                g.mul_(scale)
         if self.client is not None:  # without shards (benchmarks, tests) nothing is pushed
             self._add_grads(self.accrued)
             self.since_push += 1

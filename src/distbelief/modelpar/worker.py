@@ -17,6 +17,7 @@ output's gradient down.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -106,9 +107,14 @@ class PartitionGroup:
         """Every partition fetches its own parameters before its next round (not waited for)."""
         return [w.fetch.remote() for w in self.workers]
 
-    def end_step(self, push: bool, local_lr: float | None) -> None:
+    def grad_norm(self) -> float:
+        """The L2 norm of the whole model's gradient of the step just computed (waits for
+        every partition's backward)."""
+        return math.sqrt(sum(ray.get([w.grad_sqnorm.remote() for w in self.workers])))
+
+    def end_step(self, push: bool, local_lr: float | None, scale: float = 1.0) -> None:
         for w in self.workers:
-            w.end_step.remote(push, local_lr)
+            w.end_step.remote(push, local_lr, scale)
 
     def prefetch(self) -> None:
         """Every partition sends its next fetch after its last push (not waited for)."""

@@ -7,7 +7,6 @@ through one :class:`PSClient`. It implements :class:`~distbelief.host.ParamHost`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -16,7 +15,7 @@ from torch import nn
 
 from distbelief.devices import DeviceBuffers, autocast, replica_device
 from distbelief.flat import FlatModel
-from distbelief.host import LossOf
+from distbelief.host import LossOf, clip_scale
 from distbelief.ps.buffers import BufferPlan, BufferReporter
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
@@ -120,12 +119,12 @@ class FlatHost:
         return float(loss.detach())
 
     def _clip(self) -> None:
-        """Scale the step's gradient down to norm ``clip`` (a non-finite one is left for the
-        shards to reject and count)."""
+        """Scale the step's gradient down to norm ``clip`` (see :func:`clip_scale`)."""
         norm = float(torch.linalg.vector_norm(self.flat.grad))
         self._norms.append(norm)
-        if math.isfinite(norm) and norm > self.clip:
-            self.flat.grad.mul_(self.clip / norm)
+        scale = clip_scale(norm, self.clip)
+        if scale != 1.0:
+            self.flat.grad.mul_(scale)
             self.clipped += 1
 
     def end_step(self, push: bool, local_lr: float | None, fetch_next: bool) -> None:
