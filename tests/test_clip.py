@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from distbelief import DownpourSGD, data, models
+from distbelief import DownpourSGD, data, metrics, models
 from distbelief.cli import main
 from distbelief.flat import parameter_shapes
+from distbelief.metrics import running_mean
 from distbelief.ps.host import FlatHost
 from distbelief.ps.plan import ShardPlan
 
@@ -129,3 +130,30 @@ def test_the_python_api_counts_the_clipped_steps_of_every_replica():
                          clip_grad_norm=1e-3, eval_every_s=1000.0
                          ).fit(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
     assert [c["clipped"] for c in result.replica_counters.values()] == [50, 50]
+
+
+def test_running_mean_orders_by_time_and_averages_a_fiftieth():
+    t, v, tm, mean = running_mean(np.array([3.0, 1.0, 2.0]), np.array([30.0, 10.0, 20.0]))
+    assert t.tolist() == [1, 2, 3] and v.tolist() == [10, 20, 30]
+    assert tm.tolist() == [1, 2, 3] and mean.tolist() == [10, 20, 30]  # window 1
+    _, _, tm, mean = running_mean(np.arange(100.0), np.arange(100.0) * 2)
+    assert tm[0] == 1 and mean[0] == 1.0 and len(mean) == 99  # window 2: (0 + 2) / 2
+
+
+def test_the_plot_draws_the_norms_and_the_bar_from_the_run_folder(tmp_path, monkeypatch):
+    """A run folder whose steps carry grad_norm (one NaN) gets the norm curve, with the bar
+    read from its config.json."""
+    steps = [{"event": "step", "t": 100.0 + i, "replica": i % 2, "step": i // 2,
+              "loss": 1.0 / (i + 1), "grad_norm": float("nan") if i == 3 else 2.0 + i}
+             for i in range(60)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in steps))
+    (tmp_path / "config.json").write_text(json.dumps({"clip_grad_norm": 0.5}))
+    drawn, inner = [], metrics.plot_grad_norms
+
+    def recording(ax, normed, start, clip):
+        drawn.append((len(normed), start, clip))
+        inner(ax, normed, start, clip)
+
+    monkeypatch.setattr(metrics, "plot_grad_norms", recording)
+    assert metrics.plot_run(tmp_path).stat().st_size > 0
+    assert drawn == [(60, 100.0, 0.5)]

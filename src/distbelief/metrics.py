@@ -64,6 +64,31 @@ def time_shares(steps: list[dict]) -> dict[int, dict[str, float]]:
             for r, row in sorted(totals.items())}
 
 
+def running_mean(t: np.ndarray, values: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``values`` ordered by time ``t``, and their running mean over a window of a 50th of
+    them (at least 1): ``(t, values, t at each window's end, the window's mean)``."""
+    order = np.argsort(t, kind="stable")
+    t, values = t[order], values[order]
+    window = max(1, len(values) // 50)
+    return t, values, t[window - 1:], np.convolve(values, np.ones(window) / window, "valid")
+
+
+def plot_grad_norms(ax, steps: list[dict], start: float, clip: float) -> None:
+    """On a second axis of the loss panel: the running mean of the replicas' gradient norms
+    before clipping (``--clip-grad-norm``), and the bar as a dotted line."""
+    finite = [e for e in steps if np.isfinite(e["grad_norm"])]
+    if not finite:
+        return
+    _, _, tm, mean = running_mean(np.array([e["t"] - start for e in finite]),
+                                  np.array([e["grad_norm"] for e in finite]))
+    ax.plot(tm, mean, color="tab:red", lw=1, label="gradient norm")
+    if clip:
+        ax.axhline(clip, color="tab:red", ls=":", lw=1, label=f"--clip-grad-norm {clip:g}")
+    ax.set_ylabel("gradient norm before clipping", color="tab:red")
+    ax.legend(loc="center right", fontsize="small")
+
+
 def plot_breakdown(ax, steps: list[dict]) -> None:
     """Stacked bars: where each replica's step time went (compute, fetch/push wait, idle)."""
     shares = time_shares(steps)
@@ -81,8 +106,9 @@ def plot_breakdown(ax, steps: list[dict]) -> None:
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Plot training loss and test accuracy against wall time (a dashed line where the run
-    was scaled) and each replica's step-time breakdown (one bar per replica that ran, added
-    or stopped ones included); returns the PNG's path."""
+    was scaled), with the gradient norms where steps recorded them (``--clip-grad-norm``),
+    and each replica's step-time breakdown (one bar per replica that ran, added or stopped
+    ones included); returns the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,15 +121,17 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig, (ax_loss, ax_acc, ax_time) = plt.subplots(1, 3, figsize=(16, 4))
     plot_breakdown(ax_time, steps)
     if steps:
-        t = np.array([e["t"] - start for e in steps])
-        loss = np.array([e["loss"] for e in steps])
-        order = np.argsort(t)
-        window = max(1, len(loss) // 50)
-        smooth = np.convolve(loss[order], np.ones(window) / window, mode="valid")
-        ax_loss.plot(t[order], loss[order], ".", ms=2, alpha=0.25, label="replica steps")
-        ax_loss.plot(t[order][window - 1:], smooth, label=f"mean of {window}")
+        t, loss, tm, smooth = running_mean(np.array([e["t"] - start for e in steps]),
+                                           np.array([e["loss"] for e in steps]))
+        ax_loss.plot(t, loss, ".", ms=2, alpha=0.25, label="replica steps")
+        ax_loss.plot(tm, smooth, label=f"mean of {len(t) - len(tm) + 1}")
         ax_loss.set_yscale("log")
         ax_loss.legend()
+    normed = [e for e in steps if "grad_norm" in e]
+    if normed:
+        config = Path(run_dir) / "config.json"
+        clip = json.loads(config.read_text()).get("clip_grad_norm", 0) if config.exists() else 0
+        plot_grad_norms(ax_loss.twinx(), normed, start, clip)
     ax_loss.set(xlabel="wall time (s)", ylabel="training loss", title="Loss")
     metric = "test_auc" if any("test_auc" in e for e in evals) else "test_accuracy"
     scored = [e for e in evals if metric in e]  # click models report AUC, classifiers accuracy
