@@ -45,7 +45,7 @@ def test_a_gradient_above_the_norm_is_scaled_to_it_in_the_same_direction():
     counters = host.after_run(events)
     assert events[0]["grad_norm"] == pytest.approx(norm, rel=1e-6)  # the norm before
     assert counters["clipped"] == 1
-    assert host.after_run([{}]) == counters and host._norms == []  # each run reports its own
+    assert host.after_run([{}]) == counters and host.clipping.norms == []  # per run
 
 
 def test_a_gradient_below_the_norm_and_clipping_off_leave_it_as_it_is():

@@ -76,11 +76,12 @@ def check_fields(cfg, flag: Callable[[str], str]) -> None:
             and cfg.clip_grad_norm >= 0):
         raise UserError(f"{flag('clip_grad_norm')} must be a finite number >= 0 (0: off; got "
                         f"{cfg.clip_grad_norm!r})")
-    for name in ("precision", "clip_grad_norm"):
-        value = getattr(cfg, name)
-        if value not in ("float32", 0) and (cfg.algorithm != "downpour" or cfg.click_data):
-            raise UserError(f"{flag(name)} {value} runs in dense Downpour replicas (whole or "
-                            "--partitions) only: drop it for this run (--algorithm "
+    dense_downpour_only = {"precision": cfg.precision != "float32",
+                           "clip_grad_norm": cfg.clip_grad_norm > 0}
+    for name in (n for n, on in dense_downpour_only.items() if on):
+        if cfg.algorithm != "downpour" or cfg.click_data:
+            raise UserError(f"{flag(name)} {getattr(cfg, name)} runs in dense Downpour replicas "
+                            "(whole or --partitions) only: drop it for this run (--algorithm "
                             "sandblaster, click data)")
     if cfg.shard_backups and (cfg.algorithm != "downpour" or cfg.click_data):
         raise UserError(f"{flag('shard_backups')} keeps standbys of dense Downpour shards "

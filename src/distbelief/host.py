@@ -97,3 +97,27 @@ def clip_scale(norm: float, clip: float) -> float:
     ``clip / norm`` above the bar, else 1 (also for a non-finite norm, left for the shards
     to reject and count)."""
     return clip / norm if math.isfinite(norm) and norm > clip else 1.0
+
+
+class GradClip:
+    """A host's ``--clip-grad-norm`` bookkeeping (``clip`` 0: off): the norms of the steps
+    of the current run and how many steps were scaled."""
+
+    def __init__(self, clip: float) -> None:
+        self.clip, self.clipped, self.norms = clip, 0, []
+
+    def scale(self, norm: float) -> float:
+        """Record a step's gradient norm; returns what its gradient is multiplied by."""
+        self.norms.append(norm)
+        scale = clip_scale(norm, self.clip)
+        self.clipped += scale != 1.0
+        return scale
+
+    def annotate(self, events: list[dict]) -> None:
+        """Give the run's step events their norms (``grad_norm``) and start the next run."""
+        for event, norm in zip(reversed(events), reversed(self.norms)):
+            event["grad_norm"] = norm
+        self.norms = []
+
+    def counters(self) -> dict:
+        return {"clipped": self.clipped} if self.clip else {}

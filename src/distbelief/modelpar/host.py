@@ -17,7 +17,7 @@ import ray
 import torch
 from torch import nn
 
-from distbelief.host import LossOf, clip_scale
+from distbelief.host import GradClip, LossOf
 from distbelief.modelpar.plan import PartitionPlan
 from distbelief.modelpar.worker import PartitionGroup
 from distbelief.ps.plan import ShardPlan
@@ -27,8 +27,9 @@ class PartitionedHost:
     """``model`` split by ``partition_plan``; each partition talks to ``shards`` itself, and
     computes its forward in ``precision`` (bfloat16: boundary tensors travel in bfloat16).
     With ``clip`` > 0 (``--clip-grad-norm``) each step waits for the partitions' squared
-    gradient norms and has them scale their gradients by :func:`clip_scale` of the whole
-    model's norm, as :class:`~distbelief.ps.host.FlatHost` does with its one buffer."""
+    gradient norms and has them scale their gradients by
+    :func:`~distbelief.host.clip_scale` of the whole model's norm, as
+    :class:`~distbelief.ps.host.FlatHost` does with its one buffer."""
 
     event_fields: dict = {}
 
@@ -45,7 +46,7 @@ class PartitionedHost:
         self.fetch_refs: list = []
         self.bytes_sent = 0
         self.batch_rows = 0  # rows of the last forward pass
-        self.clip, self.clipped, self._norms = clip, 0, []  # norms: this run's steps'
+        self.clipping = GradClip(clip)
 
     def partitions(self) -> list:
         return list(self.workers)
@@ -74,12 +75,7 @@ class PartitionedHost:
 
     def end_step(self, push: bool, local_lr: float | None, fetch_next: bool) -> None:
         self.pushes += int(push)
-        scale = 1.0
-        if self.clip:
-            norm = self.group.grad_norm()
-            self._norms.append(norm)
-            scale = clip_scale(norm, self.clip)
-            self.clipped += scale != 1.0
+        scale = self.clipping.scale(self.group.grad_norm()) if self.clipping.clip else 1.0
         self.group.end_step(push, local_lr, scale)
 
     def versions(self) -> list[int]:
@@ -95,9 +91,7 @@ class PartitionedHost:
         naive = self.partition_plan.naive_bytes(self.batch_rows, self.itemsize)
         for e in events:
             e["boundary_bytes"], e["naive_bytes"] = per_step, naive
-        for event, norm in zip(reversed(events), reversed(self._norms)):
-            event["grad_norm"] = norm
-        self._norms = []
+        self.clipping.annotate(events)
         return counters
 
     def finish(self, push: bool, fetch_next: bool = False) -> dict:
@@ -112,7 +106,7 @@ class PartitionedHost:
                 "rejected": sum(c["rejected"] for c in parts),
                 "boundary_bytes": sum(c["bytes_sent"] for c in parts),
                 "boundary_messages": sum(c["messages_sent"] for c in parts),
-                **({"clipped": self.clipped} if self.clip else {})}
+                **self.clipping.counters()}
 
     # Sandblaster: the shards add up the partitions' staged parts; the coordinator commits a
     # tag only once every partition has staged, so a portion still counts once.

@@ -15,7 +15,7 @@ from torch import nn
 
 from distbelief.devices import DeviceBuffers, autocast, replica_device
 from distbelief.flat import FlatModel
-from distbelief.host import LossOf, clip_scale
+from distbelief.host import GradClip, LossOf
 from distbelief.ps.buffers import BufferPlan, BufferReporter
 from distbelief.ps.client import PSClient
 from distbelief.ps.plan import ShardPlan
@@ -67,7 +67,7 @@ class FlatHost:
                                directory=directory)
         self.plan, self.fuse, self.replica = plan, fuse and sync is None, replica
         self.sync, self.sync_waits = sync, 0
-        self.clip, self.clipped, self._norms = clip, 0, []  # norms: this run's steps'
+        self.clipping = GradClip(clip)
         self._pushed: list[int | None] | None = None  # sync: versions the last push was of
         self.accrued: torch.Tensor | None = None  # created once a step ends without a push
         self._fetched_early = False
@@ -112,20 +112,17 @@ class FlatHost:
             loss = loss_of(self.flat.model(x))
         loss.backward()
         self.flat.sync_grads()
-        if self.clip:
+        if self.clipping.clip:
             self._clip()
         if self.accrued is not None:
             self.accrued += self.flat.grad
         return float(loss.detach())
 
     def _clip(self) -> None:
-        """Scale the step's gradient down to norm ``clip`` (see :func:`clip_scale`)."""
-        norm = float(torch.linalg.vector_norm(self.flat.grad))
-        self._norms.append(norm)
-        scale = clip_scale(norm, self.clip)
+        """Scale the step's gradient down to the bar (:func:`~distbelief.host.clip_scale`)."""
+        scale = self.clipping.scale(float(torch.linalg.vector_norm(self.flat.grad)))
         if scale != 1.0:
             self.flat.grad.mul_(scale)
-            self.clipped += 1
 
     def end_step(self, push: bool, local_lr: float | None, fetch_next: bool) -> None:
         if push:
@@ -172,9 +169,7 @@ class FlatHost:
         return list(self.client.versions)
 
     def after_run(self, events: list[dict]) -> dict:
-        for event, norm in zip(reversed(events), reversed(self._norms)):
-            event["grad_norm"] = norm
-        self._norms = []
+        self.clipping.annotate(events)
         return self.counters()
 
     def finish(self, push: bool, fetch_next: bool = False) -> dict:
@@ -189,7 +184,7 @@ class FlatHost:
                 "push_dropped": c.dropped, "dropped_by_shard": list(c.dropped_by_shard),
                 "retried": c.retried, "incarnation": c.incarnation, "resent": c.resent,
                 **({"sync_waits": self.sync_waits} if self.sync is not None else {}),
-                **({"clipped": self.clipped} if self.clip else {}),
+                **self.clipping.counters(),
                 **self._device_field()}
 
     def _device_field(self) -> dict:
